@@ -12,7 +12,9 @@
     dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]     (w_gate None with act "relu2": no gate; optional biases)
 
 Nothing here reads a tensor's values on the host: the forward and backward of every layer
-run without a device->host sync (DESIGN.md "One micro-batch, one context"). Values that
+run without a device->host sync (DESIGN.md "One micro-batch, one context"), but for the
+routed experts' plain-torch reference (impl="torch", and "auto" without Triton: it reads each
+expert's row offsets to slice its rows, fmoe.ops.experts; the Triton kernels do not). Values that
 need checking (cu_seqlens, positions, labels) are checked once, where the batch is made
 (fmoe.train.data.make_batch), and what depends only on the micro-batch (RoPE tables, the
 attention mask) is built once by attention_context and passed to every attention call.
@@ -112,6 +114,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -335,11 +338,21 @@ def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "expert
 
 
 _SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
+# the params moe reads (its docstring); any other name is a typo that would leave its feature off
+_MOE_PARAMS = frozenset({"router", "router_bias", "router_norm", "expert_scale", "expert_bias", "hash_table", "w_gate", "w_up", "w_down",
+                         *EXPERT_BIASES, *_SHARED, "shared_gate", "latent_in", "latent_out", "latent_norm", "expert_out_norm", "out_bias"})
 
 
 def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
+    if not isinstance(cfg, MoEConfig):
+        raise ValueError(f"cfg: expected a MoEConfig, got {type(cfg).__name__}")
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params: expected a dict of tensors (router, w_gate, w_up, w_down, ...), got {type(params).__name__}")
+    unknown = sorted(set(params) - _MOE_PARAMS)
+    if unknown:
+        raise ValueError(f"params: unknown MoE parameters {unknown}; expected names among {sorted(_MOE_PARAMS)}")
     H, E = x_TH.shape[1], cfg.n_choices
     what = "cfg.n_experts" if not cfg.zero_experts else "cfg.n_experts + cfg.zero_experts"
     router = params.get("router")
@@ -389,6 +402,27 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         raise ValueError(f"params['out_bias']: expected a float [{H}] bias on the block's output or none, got {bias.dtype} {list(bias.shape)}")
 
 
+def _check_dense_weights(x_TH, w_gate_HF, w_up_HF, w_down_FH, *, gated: bool) -> None:
+    """ValueError unless x is [T, H] and w_gate (when gated), w_up [H, F], w_down [F, H], all in x's dtype."""
+    if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2:
+        raise ValueError(f"x: expected a tensor [T, H], got {list(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__}")
+    H = x_TH.shape[1]
+    if gated and w_gate_HF is None:
+        raise ValueError("w_gate: a gated MLP's (act a GLU's) gate weight [H, F] is required, got None")
+    w = w_up_HF
+    if not isinstance(w, torch.Tensor) or w.ndim != 2 or w.shape[0] != H:
+        raise ValueError(f"w_up: expected [{H}, F] (x's hidden size, FFN), got {list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    F_ = w.shape[1]
+    for name, w, shape in (("w_gate", w_gate_HF if gated else None, (H, F_)), ("w_up", w_up_HF, (H, F_)), ("w_down", w_down_FH, (F_, H))):
+        if name == "w_gate" and not gated:
+            continue
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+            raise ValueError(f"{name}: expected {list(shape)} (FFN {F_} as w_up's, H {H} as x's), "
+                             f"got {list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+        if w.dtype != x_TH.dtype:
+            raise ValueError(f"{name}: dtype {w.dtype} differs from x's {x_TH.dtype}")
+
+
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
               act_params: Optional[tuple] = None, b_gate=None, b_up=None, b_down=None, limit: Optional[float] = None, alpha: float = 1.0,
               offset: float = 0.0) -> torch.Tensor:
@@ -404,6 +438,7 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
     act "silu_cap" silu(gate) at most limit, Step 3.7's; None: none; not without a gate).
     alpha, offset: the gate's sigmoid gain and up's offset, g sigmoid(alpha g) (u + offset)
     (fmoe.ops.swiglu's; MiniMax-M3's dense MLPs: 1.702, 1.0; not without a gate)."""
+    _check_dense_weights(x_TH, w_gate_HF, w_up_HF, w_down_FH, gated=act not in PLAIN_ACTS)
     for name, b, n in (("b_gate", b_gate, w_up_HF.shape[-1]), ("b_up", b_up, w_up_HF.shape[-1]), ("b_down", b_down, w_down_FH.shape[-1])):
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
             raise ValueError(f"{name}: expected None or a tensor [{n}], got {list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
@@ -949,6 +984,8 @@ class AttentionConfig:
         self._check_compress()
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
+        if self.rot_dim is not None and (isinstance(self.rot_dim, bool) or not isinstance(self.rot_dim, int) or self.rot_dim < 2):
+            raise ValueError(f"rot_dim: expected an even int >= 2, or None (every channel; rope=False rotates none), got {self.rot_dim!r}")
         if self.local_rope_base is not None:
             if isinstance(self.local_rope_base, bool) or not isinstance(self.local_rope_base, (int, float)) or not 1 < self.local_rope_base < math.inf:
                 raise ValueError(f"local_rope_base: expected None or a finite number > 1, got {self.local_rope_base!r}")
@@ -2333,7 +2370,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         # that the tests there take this path)
         q_NTD, k_GTD, v_GTD = (F.pad(t, (0, _FLEX_MIN_DIM - t.shape[-1])) if t.shape[-1] < _FLEX_MIN_DIM else t
                                for t in (q_NTD, k_GTD, v_GTD))
-        if sinks is None:
+        if not q_NTD.shape[1]:  # no token (flex_attention's kernel refuses an empty length): [N, 0, Dv], tied to q, k, v for their zero gradients
+            out_NTD = q_NTD.new_zeros(q_NTD.shape[0], 0, q_NTD.shape[-1]) + (q_NTD.sum() + k_GTD.sum() + v_GTD.sum())
+        elif sinks is None:
             out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], **kw)[0]
         else:  # a sink adds exp(sink) to the denominator: out * Z / (Z + e^sink), Z = e^lse
             out_1NTD, aux = flex(q_NTD[None], k_GTD[None], v_GTD[None], return_aux=AuxRequest(lse=True), **kw)

@@ -381,6 +381,9 @@ def test_attention_bad_inputs():
         _ctx(cu, dataclasses.replace(CFG, rot_dim=18))
     with pytest.raises(ValueError, match=r"rot_dim: expected an even number of rotated channels \(pairs\), got 7"):
         dataclasses.replace(CFG, rot_dim=7)  # the config itself refuses an odd one
+    for bad in (0, -2, 8.0, True):  # 0 rotated every channel (`rot_dim or head_dim`)
+        with pytest.raises(ValueError, match=r"rot_dim: expected an even int >= 2, or None \(every channel; rope=False rotates none\), got"):
+            dataclasses.replace(CFG, rot_dim=bad)
     with pytest.raises(ValueError, match="positions: expected a 1-D tensor"):
         attention_context(cu, torch.arange(6)[None], CFG)
     with pytest.raises(ValueError, match="cfg.impl: expected one of"):
@@ -724,6 +727,23 @@ def test_a_context_is_shared_and_reads_no_value_on_the_host():
     assert ctx.cos.shape == (10, 8) and ctx.cos.dtype == torch.float32
     torch.testing.assert_close(shifted.cos, rope_tables(positions + 1, YARN)[0])
     torch.testing.assert_close(ctx.sin, rope_tables(positions, YARN)[1])
+
+
+def test_no_token_on_every_path():
+    """T = 0 (an empty batch, cu_seqlens [0] or [0, 0]): an empty [0, H] output on the SDPA and the FlexAttention paths,
+    with and without sinks (flex_attention itself refuses an empty length), and zero gradients."""
+    for impl, sinks, cu in (("torch", False, [0]), ("flex", False, [0]), ("flex", False, [0, 0]), ("flex", True, [0, 0])):
+        cfg = dataclasses.replace(CFG, impl=impl)
+        p = _params(cfg)
+        if sinks:
+            p["sinks"] = torch.zeros(cfg.n_heads, requires_grad=True)
+        ctx = attention_context(torch.tensor(cu), torch.zeros(0, dtype=torch.long), cfg)
+        with torch.set_grad_enabled(impl == "torch"):  # FlexAttention has no backward on CPU
+            out, _ = attention(torch.randn(0, H), p, cfg, ctx)
+        assert out.shape == (0, H), (impl, cu)
+        if impl == "torch":
+            out.sum().backward()
+            assert all(w.grad is not None and not w.grad.any() for w in p.values())
 
 
 @pytest.mark.gpu

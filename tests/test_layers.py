@@ -259,6 +259,13 @@ def test_moe_bad_inputs(device):
     x = torch.randn(5, H, device=device)
     with pytest.raises(ValueError, match=r"x: expected a 2-D"):
         moe(x[None], params, cfg)
+    # a misspelt name left its feature off (expert_biases: no balancing bias at all); the wrong kinds of cfg and params
+    with pytest.raises(ValueError, match=r"params: unknown MoE parameters \['expert_biases'\]; expected names among \['b_down', "):
+        moe(x, dict(params, expert_biases=torch.zeros(4, device=device)), cfg)
+    with pytest.raises(ValueError, match="cfg: expected a MoEConfig, got dict"):
+        moe(x, params, dataclasses.asdict(cfg))
+    with pytest.raises(ValueError, match=r"params: expected a dict of tensors \(router, w_gate, w_up, w_down, ...\), got NoneType"):
+        moe(x, None, cfg)
     with pytest.raises(ValueError, match=r"params\['router'\]: expected float32 \[4, 32\]"):
         moe(x, dict(params, router=torch.randn(4, H + 1, device=device)), cfg)
     with pytest.raises(ValueError, match=r"params\['w_gate'\]: expected \[4, 32, F\]"):
@@ -454,6 +461,23 @@ def test_shared_swiglu_limit_clamps_the_shared_experts_in_the_module_and_the_fun
     torch.testing.assert_close(y_fn, y)
     with pytest.raises(ValueError, match="limit: the SwiGLU's clamp, not of act 'relu2' \\(an MLP without a gate\\), got 1.0"):
         dense_mlp(x, None, params["shared_w_up"], params["shared_w_down"], act="relu2", limit=1.0)
+
+
+def test_dense_mlp_bad_inputs():
+    """dense_mlp names the argument whose shape or dtype is off (the matmuls' own errors did not, and x [1, T, H]
+    or a w_down [F, H + 1] ran, giving an output of another shape)."""
+    T, F_ = 7, 5
+    x, wg, wu, wd = torch.randn(T, H), torch.randn(H, F_), torch.randn(H, F_), torch.randn(F_, H)
+    assert dense_mlp(x, wg, wu, wd).shape == (T, H) and dense_mlp(x, None, wu, wd, act="relu2").shape == (T, H)
+    for args, message in (((x[None], wg, wu, wd), r"x: expected a tensor \[T, H\], got \[1, 7, 32\]"),
+                          ((x[0], wg, wu, wd), r"x: expected a tensor \[T, H\], got \[32\]"),
+                          ((x, torch.randn(H + 1, F_), wu, wd), r"w_gate: expected \[32, 5\] \(FFN 5 as w_up's, H 32 as x's\), got \[33, 5\]"),
+                          ((x, wg, torch.randn(H + 1, F_), wd), r"w_up: expected \[32, F\] \(x's hidden size, FFN\), got \[33, 5\]"),
+                          ((x, wg, wu, torch.randn(F_, H + 1)), r"w_down: expected \[5, 32\] .*, got \[5, 33\]"),
+                          ((x, wg.bfloat16(), wu, wd), "w_gate: dtype torch.bfloat16 differs from x's torch.float32"),
+                          ((x, None, wu, wd), "w_gate: a gated MLP's .* is required, got None")):
+        with pytest.raises(ValueError, match=message):
+            dense_mlp(*args)
 
 
 def test_experts_and_shared_callables_are_the_one_way_in():

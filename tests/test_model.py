@@ -2140,7 +2140,7 @@ def test_mlp_biases_are_added_to_the_dense_blocks_projections(act):
     sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".b_" in n)
     with pytest.raises(ValueError, match=r"b_down: expected None or a tensor \[32\], got \[5\]"):
-        dense_mlp(x, mlp.w_gate, mlp.w_up, mlp.w_down, b_down=torch.zeros(5))
+        dense_mlp(x, mlp.w_gate, mlp.w_up, mlp.w_down, act=mlp.act, b_down=torch.zeros(5))
     if act == "relu2":
         with pytest.raises(ValueError, match=r"b_gate: act 'relu2' is an MLP without a gate, expected None"):
             dense_mlp(x, None, mlp.w_up, mlp.w_down, act="relu2", b_gate=torch.zeros(48))
