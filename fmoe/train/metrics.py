@@ -78,6 +78,17 @@ _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific na
 )
 
 
+def _offsets(cu_seqlens) -> list[int]:
+    """cu_seqlens as a list of ints: non-decreasing integer offsets from 0 to T > 0 (a ValueError otherwise)."""
+    cu_t = torch.as_tensor(cu_seqlens)
+    cu = cu_t.tolist()
+    if cu_t.ndim != 1 or cu_t.is_floating_point() or cu_t.is_complex() or cu_t.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: expected 1-D integer offsets, got {cu_t.dtype} {cu}")
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
+    return cu
+
+
 def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: Optional[int] = None, chunk: Optional[int] = None) -> float:
     """n_avg = sum_i len_i^2 / (2 T): the mean number of keys a query attends to in causal
     attention over packed documents (S/2 for one document of length S). Under a sliding
@@ -93,9 +104,7 @@ def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: O
         check_positive_int("chunk", chunk)
         if window is not None:
             raise ValueError(f"chunk: a sliding window or chunked attention, not both (window = {window})")
-    cu = torch.as_tensor(cu_seqlens).tolist()
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
+    cu = _offsets(cu_seqlens)
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     if chunk is not None:  # the documents cut into their chunks (as the mask cuts them)
         lengths = [c for n in lengths for c in [chunk] * (n // chunk) + [n % chunk]]
@@ -116,9 +125,7 @@ def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate
     check_positive_int("rate", rate, 2)
     if topk is not None:
         check_positive_int("topk", topk)
-    cu = torch.as_tensor(cu_seqlens).tolist()
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
+    cu = _offsets(cu_seqlens)
 
     def seen(a: int, r: int) -> float:  # the entries of a document of a m + r tokens, summed over its queries
         if topk is None or a <= topk:
@@ -130,8 +137,8 @@ def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate
 
 
 def _check_count(name: str, value, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real) or not value >= minimum:
-        raise ValueError(f"{name}: expected a number >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, Real) or not minimum <= value < math.inf:
+        raise ValueError(f"{name}: expected a finite number >= {minimum}, got {value!r}")
 
 
 def flops_per_token(
@@ -451,7 +458,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> O
 
 def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_experts: int = 0) -> dict:
     """Record entries for the MoE layers from their counts [L, E] (a tensor or a list of
-    [E] rows, each layer's tokens_per_expert summed as wanted) and the slots requested (T k):
+    [E] rows, each layer's tokens_per_expert summed as wanted) and the slots requested (T k; a
+    number or a 0-D tensor, e.g. token_mask.sum() * k, never read on the host):
     tokens_per_expert [L, E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
     zero_experts: the last Z of the E columns count zero-computation experts' slots
     (fmoe.layers.MoEConfig.zero_experts): max/mean and CV are then the computing experts'
@@ -461,7 +469,11 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_exper
     counts_LE = torch.as_tensor(counts) if not isinstance(counts, torch.Tensor) else counts
     if counts_LE.ndim != 2:
         raise ValueError(f"counts: expected [L, E] counts (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
-    _check_count("slots", slots)
+    if isinstance(slots, torch.Tensor):  # e.g. token_mask.sum() * k: read on the device, as load_stats reads it
+        if slots.ndim != 0 or slots.dtype == torch.bool or slots.is_complex():
+            raise ValueError(f"slots: expected a number >= 0 or a 0-D real tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+    else:
+        _check_count("slots", slots)
     check_positive_int("zero_experts", zero_experts, 0, counts_LE.shape[1] - 1)  # fewer than counts' columns
     E = counts_LE.shape[1] - zero_experts
     load = load_stats(counts_LE[:, :E], slots)
@@ -472,7 +484,8 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_exper
         "dropped_fraction": load_stats(counts_LE, slots)["dropped_fraction"] if zero_experts else load["dropped_fraction"],
     }
     if zero_experts:
-        record["zero_fraction"] = counts_LE[:, E:].sum(dim=-1).float() / max(slots, 1)
+        record["zero_fraction"] = counts_LE[:, E:].sum(dim=-1).float() / (slots.to(counts_LE.device).clamp(min=1) if isinstance(slots, torch.Tensor)
+                                                                          else max(slots, 1))
     return record
 
 
@@ -518,7 +531,11 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     filled = int(done * width)
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total_steps}"]
     loads = record.get("load_max_over_mean")
-    values = dict(record, load=max(loads) if isinstance(loads, (list, tuple)) and loads else None)
+    if isinstance(loads, torch.Tensor):  # layer_loads' tensors, as MetricsLogger.log takes them
+        loads = loads.detach().reshape(-1).tolist()
+    # the worst finite layer's (read_metrics gives a non-finite value back as None; NaN would win or lose by its place)
+    finite = [v for v in loads if isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)] if isinstance(loads, (list, tuple)) else []
+    values = dict(record, load=max(finite) if finite else None)
     formats = (("loss", "loss", "{:.4f}"), ("val_loss", "val", "{:.4f}"), ("lr", "lr", "{:.1e}"),
                ("grad_norm", "gnorm", "{:.3g}"), ("load", "load", "{:.2f}"), ("tokens_per_s", "tok/s", _si),
                ("mfu", "mfu", "{:.1%}"), ("eta_seconds", "eta", _duration))

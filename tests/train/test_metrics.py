@@ -1,6 +1,7 @@
 """fmoe.train.metrics and fmoe.train.plot: FLOPs by hand, MFU, expert load, JSONL logger."""
 
 import dataclasses
+import functools
 import json
 import math
 import subprocess
@@ -56,6 +57,11 @@ def test_mean_attended_keys():
     for bad in ([], [1, 4], [0, 4, 2], [0]):
         with pytest.raises(ValueError, match="cu_seqlens"):
             M.mean_attended_keys(bad)
+    for fn in (M.mean_attended_keys, functools.partial(M.mean_compressed_entries, rate=2)):  # fractional offsets gave 1.25
+        with pytest.raises(ValueError, match=r"cu_seqlens: expected 1-D integer offsets, got torch.float32 \[0.0, 2.5, 5.0\]"):
+            fn([0.0, 2.5, 5.0])
+    with pytest.raises(ValueError, match="n_avg_keys: expected a finite number >= 0, got inf"):  # the FLOPs came out NaN
+        M.flops_per_token(**{**CFG, "n_avg_keys": math.inf})
 
 
 def test_flops_bad_inputs():
@@ -114,6 +120,14 @@ def test_layer_loads_with_zero_experts():
     assert rec["zero_fraction"] == pytest.approx([4 / 20, 0.0])
     assert rec["dropped_fraction"] == pytest.approx([(20 - 16) / 20, (20 - 12) / 20])
     assert "zero_fraction" not in M.layer_loads(torch.tensor([[6, 2]]), slots=8)
+    # the slots as a 0-D tensor (a token mask's sum times k): the same numbers, nothing read on the host
+    with M.HostReads() as reads:
+        on_device = M.layer_loads(torch.tensor([[6, 2, 0, 4, 4], [3, 3, 3, 3, 0]]), slots=torch.tensor(20), zero_experts=1)
+    assert reads.count == 0, reads.sites
+    assert M.to_host(on_device) == rec
+    for bad in (torch.tensor([20]), torch.tensor(True)):
+        with pytest.raises(ValueError, match="slots: expected a number >= 0 or a 0-D real tensor"):
+            M.layer_loads(torch.tensor([[6, 2]]), slots=bad)
     for bad, message in ((-1, "expected 0..1, got -1"), (2, "expected 0..1, got 2"), (1.0, "expected an int, got 1.0"),
                          (True, "expected an int, got True")):
         with pytest.raises(ValueError, match=f"zero_experts: {message}"):
@@ -151,7 +165,13 @@ def test_progress_line():
     line = M.format_progress(3, 10, {"loss": 2.0, "load_max_over_mean": [1.2, 3.4], "eta_seconds": 125.0, "val_loss": float("nan")})
     assert line == "[######..............] step 3/10 loss 2.0000 load 3.40 eta 2m05s"  # the worst layer; NaN left out
     assert M.format_progress(100, 100, {}) == "[####################] step 100/100"
-    with pytest.raises(ValueError, match="total_steps: expected a number >= 1, got 0"):
+    # layer_loads' tensors (as MetricsLogger.log takes them), a read-back record's None, a NaN anywhere: the worst finite layer
+    loads = M.layer_loads(torch.tensor([[10, 2, 6, 6], [8, 8, 8, 8]]), 32)
+    for record in (loads, M.to_host(loads), {"load_max_over_mean": [None, 5 / 3]}, {"load_max_over_mean": [float("nan"), 5 / 3]},
+                   {"load_max_over_mean": [5 / 3, float("nan")]}):
+        assert M.format_progress(1, 10, record) == "[##..................] step 1/10 load 1.67", record
+    assert M.format_progress(1, 10, {"load_max_over_mean": [None, float("inf")]}) == "[##..................] step 1/10"
+    with pytest.raises(ValueError, match="total_steps: expected a finite number >= 1, got 0"):
         M.format_progress(1, 0, {})
 
 
@@ -330,7 +350,7 @@ def test_model_flops_per_token_reads_the_model_config():
     zero = TransformerConfig(**{**cfg.__dict__, "zero_experts": 3})
     assert M.model_flops_per_token(zero, n_avg_keys=10.0) == expected + 3 * 6 * 64 * 3
     assert M.model_flops_per_token(zero, n_avg_keys=10.0, k=1.5) == expected + 3 * 6 * 64 * 3 - 3 * 6 * 64 * 3 * 32 * 0.5
-    with pytest.raises(ValueError, match="k: expected a number >= 0"):
+    with pytest.raises(ValueError, match="k: expected a finite number >= 0"):
         M.model_flops_per_token(zero, n_avg_keys=10.0, k=-1.0)
     # shortcut pairs (4 blocks, n_dense 1): block 2 the only trunk MoE, its dense MLP of 128 beside it; blocks 0, 1 and 3 dense
     pairs = TransformerConfig(**{**cfg.__dict__, "n_layers": 4, "shortcut_moe": True})
@@ -382,7 +402,7 @@ def test_model_flops_per_token_reads_the_model_config():
 
     want = 2 * laguna_attention(8, 3.0) + 2 * laguna_attention(4, 10.0) + 6 * 64 * 3 * 128 + 3 * moe + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
     assert M.model_flops_per_token(laguna, n_avg_keys=10.0, n_avg_local_keys=3.0) == want
-    with pytest.raises(ValueError, match="local_heads: expected a number >= 1, got 0"):
+    with pytest.raises(ValueError, match="local_heads: expected a finite number >= 1, got 0"):
         M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1, n_heads=4, n_kv_heads=2,
                           head_dim=16, vocab=300, n_avg_keys=10.0, local_heads=0)
     # and chunked blocks (Llama 4) alike
