@@ -413,9 +413,7 @@ def _check_dense_weights(x_TH, w_gate_HF, w_up_HF, w_down_FH, *, gated: bool) ->
     if not isinstance(w, torch.Tensor) or w.ndim != 2 or w.shape[0] != H:
         raise ValueError(f"w_up: expected [{H}, F] (x's hidden size, FFN), got {list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
     F_ = w.shape[1]
-    for name, w, shape in (("w_gate", w_gate_HF if gated else None, (H, F_)), ("w_up", w_up_HF, (H, F_)), ("w_down", w_down_FH, (F_, H))):
-        if name == "w_gate" and not gated:
-            continue
+    for name, w, shape in (("w_gate", w_gate_HF, (H, F_)),) * gated + (("w_up", w_up_HF, (H, F_)), ("w_down", w_down_FH, (F_, H))):
         if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
             raise ValueError(f"{name}: expected {list(shape)} (FFN {F_} as w_up's, H {H} as x's), "
                              f"got {list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
