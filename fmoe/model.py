@@ -171,7 +171,7 @@ def init_parameters(module: nn.Module, cfg: Optional["TransformerConfig"], seed:
     Every building block holding matrices calls it as it is built (Attention, LinearAttention,
     DenseMLP, GatedRMSNorm, HyperConnection, MTPModule; MoE its own reset_parameters): one
     built alone starts finite and seeded, a function of (seed, name) as the model's."""
-    seed = torch.initial_seed() if seed is None else seed
+    seed = torch.initial_seed() if seed is None else check_positive_int("seed", seed, 0)  # 1.0 and True drew other weights than 1
     base = 0.02 if cfg is None else cfg.init_std
     depth = 1 if cfg is None else 2 * cfg.n_layers  # the output projections' std is base / sqrt(depth)
     mixers = {m: sub.cfg.kind for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, LinearAttention)}
@@ -1042,8 +1042,9 @@ class TransformerConfig:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
         if not 0 <= self.n_dense <= self.n_layers:
             raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers}, got {self.n_dense}")
-        if self.mtp_depth < 0 or self.n_shared < 0:
-            raise ValueError(f"mtp_depth / n_shared: expected >= 0, got {self.mtp_depth} / {self.n_shared}")
+        check_positive_int("mtp_depth", self.mtp_depth, 0)
+        if self.n_shared < 0:
+            raise ValueError(f"n_shared: expected >= 0, got {self.n_shared}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
@@ -2856,11 +2857,13 @@ class Transformer(nn.Module):
     def _lm_loss(self, h_TH, labels, loss_mask, norm=None):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
-        if self.cfg.out_vocab is not None:  # no host read: a RuntimeError where the check runs (on the device)
-            torch._assert_async((labels < self.cfg.out_vocab).all(), f"labels: a label past the output head's {self.cfg.out_vocab} rows (out_vocab)")
+        V = self.cfg.head_vocab
+        # no host read: a RuntimeError where the check runs (on the device), not a NaN loss
+        torch._assert_async(((labels == -100) | ((labels >= 0) & (labels < V))).all(),
+                            f"labels: a counted label outside 0..{V - 1}, the output head's rows" + (" (out_vocab)" if self.cfg.out_vocab else " (vocab_size)"))
         loss_sum = linear_cross_entropy(self._head_input(h_TH, norm), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl,
                                         bias=self.head_bias, softcap=self.cfg.logit_softcap)
-        return loss_sum, loss_mask.sum()
+        return loss_sum, (labels != -100).sum()  # the rows the sum counts (a label of -100 under loss_mask counts in neither)
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of token ids [...] -> [..., H], x embed_scale, rounded to their dtype
@@ -2876,6 +2879,8 @@ class Transformer(nn.Module):
         (plus pos_embed's rows of their positions with cfg.abs_positions; check: a ValueError
         for a position past it, else an assert on the device, a RuntimeError, no host read; through embed_norm with
         cfg.embed_norm), or with hyper_connections n copies side by side [T, n H] (the streams)."""
+        if not check:  # forward's batch: no host read, a RuntimeError where the check runs (on the device), not in the embedding
+            torch._assert_async(((ids >= 0) & (ids < self.cfg.vocab_size)).all(), f"input_ids: an id outside 0..{self.cfg.vocab_size - 1} (vocab_size)")
         h_TH = self._embedding(ids)
         if self.pos_embed is not None:
             P, offset = self.cfg.abs_positions, self.cfg.abs_position_offset
@@ -2919,7 +2924,8 @@ class Transformer(nn.Module):
             lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"input_ids: expected ids in 0..{self.cfg.vocab_size - 1} (vocab_size), got {lo}..{hi}")
-        if cu_seqlens.ndim != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
+        cu_seqlens = torch.as_tensor(cu_seqlens)
+        if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
             raise ValueError(f"cu_seqlens: expected 0, ..., T = {input_ids.shape[0]} for input_ids [T], got {cu_seqlens.tolist()}")
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if positions is None:
@@ -3175,7 +3181,9 @@ class Transformer(nn.Module):
                 labels [T] int64 (next-token labels), loss_mask [T] (True where a label
                 counts), positions [T], cu_seqlens [n+1] int32, and with mtp_depth D > 0
                 mtp_input_ids, mtp_labels, mtp_loss_mask, mtp_positions [D, T] (row d-1 for
-                MTP depth d). Values are not checked here: make_batch checks them.
+                MTP depth d). make_batch checks the offsets and shapes; here, on the device
+                (no host read: a RuntimeError where the check runs), input_ids against
+                vocab_size and the counted labels against the head's rows.
                 An optional token_mask [T] bool (make_batch's, False on padding): the MoE
                 layers do not route the padding (fmoe.layers.moe's token_mask).
             ctx: self.context(batch), built once per micro-batch; None builds it here.

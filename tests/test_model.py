@@ -596,7 +596,7 @@ def test_out_vocab_prunes_the_output_head_to_the_first_ids():
     full = dataclasses.replace(cfg, out_vocab=None)
     assert model_flops_per_token(full, n_avg_keys=8.0) - model_flops_per_token(cfg, n_avg_keys=8.0) == 2 * 6 * cfg.hidden * (40 - 24)  # trunk + MTP heads
     labels[3] = 30  # the label of token 2
-    with pytest.raises(RuntimeError, match=r"labels: a label past the output head's 24 rows \(out_vocab\)"):
+    with pytest.raises(RuntimeError, match=r"labels: a counted label outside 0..23, the output head's rows \(out_vocab\)"):
         model(make_batch(labels, torch.tensor([0, 24]), mtp_depth=1))
     for change, message in ((dict(out_vocab=41), "out_vocab: expected 1..40, got 41"), (dict(out_vocab=0), "out_vocab: expected 1..40, got 0"),
                             (dict(tie_embeddings=True), "out_vocab: an output head of its own rows, not with tie_embeddings")):
@@ -1198,6 +1198,13 @@ def test_bad_configs():
     assert all(m.expert_bias.shape == (softmax.cfg.n_experts,) for m in softmax.moe_layers().values())
     with pytest.raises(ValueError, match="hidden: expected a positive int"):
         TransformerConfig(hidden=0)
+    for bad, said in ((1.0, "expected an int, got 1.0"), (True, "expected an int, got True"), ("1", "expected an int, got '1'"),
+                      (-1, "expected >= 0, got -1")):  # TypeErrors, or True taken as one MTP module
+        with pytest.raises(ValueError, match=f"mtp_depth: {said}"):
+            TransformerConfig(mtp_depth=bad)
+    for bad in (1.0, True, "1", -5):  # 1.0 and True drew other weights than seed 1
+        with pytest.raises(ValueError, match="seed: expected"):
+            Transformer(TransformerConfig(n_layers=1, n_dense=1)).reset_parameters(seed=bad)
     # zero experts: the router, its bias and the expert bias score E + Z choices, the experts are E
     zero = Transformer(TransformerConfig(n_layers=2, n_dense=1, n_experts=4, zero_experts=3, router_bias=True))
     for m in zero.moe_layers().values():
@@ -2191,6 +2198,9 @@ def test_released_model_knobs_build_what_they_say():
     assert float(losses["lm_sum"].detach()) == pytest.approx(float(want.detach()), rel=1e-5)
     with pytest.raises(ValueError, match="cu_seqlens: expected 0, ..., T = 24"):
         model.logits(batch["input_ids"], torch.tensor([0, 23]))
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected 0, ..., T = 24 .*got \[0.0, 4.69\d*, 24.0\]"):  # 4.7 was cut to 4
+        model.logits(batch["input_ids"], torch.tensor([0.0, 4.7, 24.0]))
+    torch.testing.assert_close(model.logits(batch["input_ids"], [0, 24]), model.logits(batch["input_ids"], torch.tensor([0, 24])))  # a list
     # the token ids themselves, named as input_ids (not an IndexError inside the embedding)
     ids = batch["input_ids"]
     for bad, message in ((ids.float(), r"\[T\] int64 token ids .* got torch.float32 \[24\]"), (ids.view(4, 6), r"\[T\] int64 .* got torch.int64 \[4, 6\]"),
@@ -2502,6 +2512,33 @@ def test_decode_reads_nothing_on_the_host():
         model.decode(ids[:4], cache)
         model.decode(ids[4:], cache)
     assert reads.count == 0, reads.sites
+
+
+def test_forward_checks_ids_and_labels_on_the_device_and_counts_the_rows_it_sums():
+    """A hand-built batch (forward takes any mapping): an id past vocab_size stops at a device assert (a RuntimeError on
+    CPU, no host read) instead of an IndexError in the embedding; a counted label outside the head's rows stops there
+    too, not a NaN loss; a label of -100 under loss_mask is in neither the sum nor the count."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(TINY, mtp_depth=0))
+    batch = make_batch(torch.randint(0, TINY.vocab_size, (12,)), torch.tensor([0, 5, 12]))
+    losses, _ = model(batch)
+    labels = batch["labels"].clone()
+    labels[[1, 7]] = -100  # loss_mask stays True there
+    dropped, _ = model(dict(batch, labels=labels))
+    assert int(batch["loss_mask"].sum()) == 10 and int(dropped["lm_tokens"]) == 8
+    keep = labels != -100
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model.logits(batch["input_ids"], batch["cu_seqlens"])[keep], labels[keep], reduction="sum")
+    torch.testing.assert_close(dropped["lm_sum"], want, rtol=1e-5, atol=1e-5)
+    for bad in (TINY.vocab_size, -1):
+        ids = batch["input_ids"].clone()
+        ids[3] = bad
+        with pytest.raises(RuntimeError, match=rf"input_ids: an id outside 0..{TINY.vocab_size - 1} \(vocab_size\)"):
+            model(dict(batch, input_ids=ids))
+        labels = batch["labels"].clone()
+        labels[2] = bad
+        with pytest.raises(RuntimeError, match=rf"labels: a counted label outside 0..{TINY.vocab_size - 1}, the output head's rows \(vocab_size\)"):
+            model(dict(batch, labels=labels))
 
 
 def test_decode_bad_inputs():
