@@ -367,8 +367,10 @@ def main(argv: list[str]) -> None:
         profile_steps = parse_steps(cfg.profile)
         if cfg.memory_snapshot and profile_steps is None:
             raise ValueError("--memory_snapshot: records the --profile steps; set --profile=START:END")
-        if profile_steps is not None and profile_steps[0] > cfg.steps:  # nothing would be traced, without a word
-            raise ValueError(f"--profile: steps {cfg.profile} start past the run's last step (--steps={cfg.steps})")
+        last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+        if profile_steps is not None and profile_steps[0] > last:  # nothing would be traced, without a word
+            raise ValueError(f"--profile: steps {cfg.profile} start past the run's last step "
+                             f"(--steps={cfg.steps}{f', --stop_at={cfg.stop_at}' if cfg.stop_at > 0 else ''})")
         profiler = StepProfiler(cfg.out_dir, profile_steps, rank=int(os.environ.get("RANK", "0")), device_type=device.type,
                                 memory=cfg.memory_snapshot)
     except ValueError as err:
@@ -605,7 +607,8 @@ def main(argv: list[str]) -> None:
     # states; activations come on top) and whether energy can be read (NVML, CUDA only)
     plan = metrics.memory_plan(parts, optimizers, grad_dtype=torch.float32)
     energy = metrics.EnergyMeter(device)
-    last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+    if profile_steps is not None and profile_steps[1] <= step < last:  # a resumed run: those steps were run before it
+        sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
         per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert

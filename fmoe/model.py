@@ -54,6 +54,7 @@ from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.experts import GLU_ACTS
 from fmoe.ops.fp8 import check_fp8_fast_accum
+from fmoe.ops.backend import IMPLS
 from fmoe.ops.backend import local_tensor as _local
 
 # activation checkpointing (TransformerConfig.ac): what the backward recomputes instead of
@@ -1032,6 +1033,8 @@ class TransformerConfig:
     def __post_init__(self):
         if self.ac not in AC_MODES:
             raise ValueError(f"ac: expected one of {', '.join(AC_MODES)}, got {self.ac!r}")
+        if self.impl not in IMPLS:  # else refused only at the first forward, deep in a layer
+            raise ValueError(f"impl: expected one of {', '.join(IMPLS)}, got {self.impl!r}")
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "k", "ffn_dense", "ffn_expert"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1202,6 +1202,8 @@ def test_bad_configs():
                       (-1, "expected >= 0, got -1")):  # TypeErrors, or True taken as one MTP module
         with pytest.raises(ValueError, match=f"mtp_depth: {said}"):
             TransformerConfig(mtp_depth=bad)
+    with pytest.raises(ValueError, match="impl: expected one of auto, triton, torch, got 'bogus'"):  # not at the first forward
+        TransformerConfig(impl="bogus")
     for bad in (1.0, True, "1", -5):  # 1.0 and True drew other weights than seed 1
         with pytest.raises(ValueError, match="seed: expected"):
             Transformer(TransformerConfig(n_layers=1, n_dense=1)).reset_parameters(seed=bad)

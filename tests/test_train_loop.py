@@ -203,6 +203,10 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
     phases = sorted(n for n in names if n.startswith("fmoe."))  # 2 micro-batches a step in one range; eval and checkpoint at step 3
     assert phases == ["fmoe.checkpoint", "fmoe.eval"] + ["fmoe.forward_backward"] * 2 + ["fmoe.optimizer"] * 2
     assert "aten::mm" in names and "aten::mm" in ops.read_text()
+    # resumed from step 4's checkpoint to run on, steps 2:3 were run before it: said, not a run that traces nothing
+    again = _train(tmp_path, "--steps=6", "--profile=2:3", "--eval_every=3", "--ckpt_every=3", "--resume")
+    assert again.returncode != 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert "--profile: steps 2:3 were run before this resume (from step 4); profile steps after it" in again.stderr
 
 
 def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path):
@@ -337,6 +341,7 @@ BAD_KNOBS = [
     (["--model.n_groups=x"], "--model.n_groups: expected an int or None, got 'x'"),
     (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
     (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
+    (["--model.impl=bogus"], "model knobs: impl: expected one of auto, triton, torch, got 'bogus'"),  # was a traceback at the first forward
     (["--model.fp8_layers=1"], "model knobs: fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True"),
     (["--model.fp8_fast_accum=true"], "model knobs: fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True"),
     (["--model.score=softmax"], "--model.score=softmax: the model's expert_bias (on by default, for sigmoid routing) would shift "
@@ -395,6 +400,7 @@ BAD_KNOBS = [
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),
     (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),
     (["--steps=3", "--profile=5:6"], "--profile: steps 5:6 start past the run's last step (--steps=3)"),
+    (["--steps=8", "--stop_at=2", "--profile=5:6"], "--profile: steps 5:6 start past the run's last step (--steps=8, --stop_at=2)"),
 ]
 
 

@@ -660,18 +660,19 @@ def _scalars(record: dict):
 
 
 def read_metrics_lines(path) -> list[str]:
-    """The complete JSON lines of a metrics.jsonl (a torn last line of a killed run is left
-    out); [] when the file does not exist."""
+    """The record lines of a metrics.jsonl: JSON objects with an int "step" (a torn last line
+    of a killed run, or any other line, is left out); [] when the file does not exist."""
     path = Path(path)
     if not path.exists():
         return []
     lines = []
     for line in path.read_text().splitlines():
         try:
-            json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        lines.append(line)
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
+            lines.append(line)
     return lines
 
 

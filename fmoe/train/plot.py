@@ -189,12 +189,15 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
 
 
 def plot_run(out_dir) -> list[Path]:
-    """Write the plots of `<out_dir>/metrics.jsonl` into out_dir; returns the written paths."""
+    """Write the plots of `<out_dir>/metrics.jsonl` into out_dir; returns the written paths.
+    FileNotFoundError without the file, ValueError when it holds no record."""
     out_dir = Path(out_dir)
     metrics = out_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"out_dir: no metrics.jsonl in {str(out_dir)!r}")
     records = read_metrics(metrics)
+    if not records:  # said, not an exit with nothing written
+        raise ValueError(f"out_dir: {str(metrics)!r} holds no records (no step was logged yet)")
     plt = _pyplot()
     written = []
     for name, fn in (("loss.png", plot_losses), ("expert_load.png", plot_expert_load), ("health.png", plot_health)):
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         written = plot_run(args.out_dir)
-    except (ImportError, FileNotFoundError) as e:
+    except (ImportError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for path in written:

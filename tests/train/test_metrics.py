@@ -191,8 +191,8 @@ def test_logger_jsonl_and_resume(tmp_path, capsys):
     assert r["bad"] is None and r["tokens_per_expert"] == [[1, 3], [2, 2]] and r["load_max_over_mean"] == [1.5, 1.0]
 
     # a killed run leaves a torn line; a resume at step 3 keeps steps 1-2 only
-    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 6, "lo')
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:  # and lines that are JSON but no record: left out, as a torn one
+        f.write('[1, 2]\n5\n{"loss": 1.0}\n{"step": 6, "lo')
     log = M.MetricsLogger(tmp_path / "run", total_steps=10, start_step=3)
     log.log(3, {"loss": 1.0})
     assert [r["step"] for r in M.read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
@@ -332,10 +332,16 @@ def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
     pyplot.close("all")
 
 
-def test_plot_missing_metrics(tmp_path):
+def test_plot_missing_metrics(tmp_path, capsys):
     from fmoe.train import plot
 
     assert plot.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: out_dir: no metrics.jsonl in {str(tmp_path)!r}\n"
+    # an empty file, or one of lines that are no records (a torn one, JSON of another kind): said, not an exit 0 that wrote nothing
+    for text in ("", '{"step": 1, "lo', "[1, 2]\nhello\n"):
+        (tmp_path / "metrics.jsonl").write_text(text)
+        assert plot.main([str(tmp_path)]) == 1
+        assert capsys.readouterr().err == f"error: out_dir: {str(tmp_path / 'metrics.jsonl')!r} holds no records (no step was logged yet)\n"
 
 
 def test_model_flops_per_token_reads_the_model_config():
