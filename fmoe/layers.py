@@ -143,7 +143,7 @@ from fmoe.ops.rope import (
     yarn_inv_freq,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes, check_sparsemixer_eps, keep_slots, split_zero_experts
+from fmoe.ops.routing import ROUTE_SCORES, Routes, check_sparsemixer_eps, keep_slots, split_zero_experts
 from fmoe.ops.scan import selective_scan
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
@@ -271,6 +271,16 @@ class MoEConfig:
             raise ValueError(f"bias_on_logits: expected a bool, got {self.bias_on_logits!r}")
         if self.bias_on_logits and self.score != "sigmoid":
             raise ValueError(f"bias_on_logits: applies to score='sigmoid' only, got score={self.score!r}")
+        # the knobs moe() would refuse at its first call, refused here (as TransformerConfig does)
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {', '.join(IMPLS)}, got {self.impl!r}")
+        if self.score not in (*ROUTE_SCORES, "sparsemixer"):
+            raise ValueError(f"score: expected one of {', '.join((*ROUTE_SCORES, 'sparsemixer'))}, got {self.score!r}")
+        check_positive_int("align", self.align)
+        if self.score != "sparsemixer":  # route's knobs, checked by the op itself on no tokens (its names are these fields')
+            route(torch.zeros(0, self.n_choices), self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
+                  topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize,
+                  check=False, impl="torch")
 
     @property
     def n_choices(self) -> int:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -541,6 +542,17 @@ def test_module_bad_config():
     assert MoE(H, FFN, MoEConfig(n_experts=4, k=2), expert_bias=True).expert_bias.dtype == torch.float32  # softmax takes one too
     with pytest.raises(ValueError, match="shared_gate: needs shared experts"):
         MoE(H, FFN, MoEConfig(n_experts=4, k=2), shared_gate=True)
+
+
+def test_moe_config_refuses_at_construction_what_moe_would_refuse_at_its_first_call():
+    for kw, said in ((dict(k=0), "k: expected 1..8, got 0"), (dict(k=9), "k: expected 1..8, got 9"), (dict(k=2.0), "k: expected an int, got 2.0"),
+                     (dict(score="bogus"), "score: expected one of softmax, sigmoid, sqrtsoftplus, sparsemixer, got 'bogus'"),
+                     (dict(impl="bogus"), "impl: expected one of auto, triton, torch, got 'bogus'"), (dict(align=0), "align: expected >= 1, got 0"),
+                     (dict(scale=-1.0), "scale: expected a positive finite number, got -1.0"),
+                     (dict(n_groups=3, topk_groups=1), "n_groups: the 8 experts must split evenly into groups")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            MoEConfig(n_experts=8, **{"k": 2, **kw})
+    assert MoEConfig(n_experts=8, k=10, zero_experts=2).n_choices == 10  # k counts the zero experts' choices too
 
 
 @pytest.mark.gpu
