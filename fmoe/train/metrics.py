@@ -66,7 +66,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from fmoe.ops import load_stats
-from fmoe.ops.checks import check_positive_int
+from fmoe.ops.checks import check_cu_seqlens, check_positive_int
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
     ("H200 NVL", 835e12),
@@ -79,14 +79,12 @@ _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific na
 
 
 def _offsets(cu_seqlens) -> list[int]:
-    """cu_seqlens as a list of ints: non-decreasing integer offsets from 0 to T > 0 (a ValueError otherwise)."""
-    cu_t = torch.as_tensor(cu_seqlens)
-    cu = cu_t.tolist()
-    if cu_t.ndim != 1 or cu_t.is_floating_point() or cu_t.is_complex() or cu_t.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens: expected 1-D integer offsets, got {cu_t.dtype} {cu}")
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
-    return cu
+    """cu_seqlens (a tensor or a list) as a list of ints: fmoe.ops.checks.check_cu_seqlens's offsets, ending at T > 0."""
+    cu = torch.as_tensor(cu_seqlens)
+    check_cu_seqlens(cu, int(cu[-1]) if cu.ndim == 1 and cu.numel() and cu.dtype in (torch.int32, torch.int64) else 0)
+    if int(cu[-1]) <= 0:
+        raise ValueError(f"cu_seqlens: expected offsets ending at T > 0, got {cu.tolist()}")
+    return cu.tolist()
 
 
 def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: Optional[int] = None, chunk: Optional[int] = None) -> float:
@@ -97,7 +95,6 @@ def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: O
     In chunked attention (AttentionConfig.chunk C, not with a window) each chunk of a
     document is a document of its own: len // C chunks of C^2 / 2 and the rest's (len % C)^2 / 2."""
     from fmoe.layers import check_window
-    from fmoe.ops.checks import check_positive_int
 
     check_window(window)
     if chunk is not None:
@@ -120,7 +117,6 @@ def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate
     m a (a - 1) / 2 + a (r + 1) of them. Over the T tokens of the packed documents. topk:
     each query's min(topk, floor((p + 1) / m)) instead (compressed sparse attention's chosen
     entries, AttentionConfig.compress_topk)."""
-    from fmoe.ops.checks import check_positive_int
 
     check_positive_int("rate", rate, 2)
     if topk is not None:
