@@ -50,11 +50,10 @@ from torch.utils.checkpoint import checkpoint
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
                          PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, compress_shapes, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
                          moe, prescaled_rms_norm, q_in, qk_norm_shapes, softmax_scale)
-from fmoe.ops import linear_cross_entropy, route
+from fmoe.ops import linear_cross_entropy
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.experts import GLU_ACTS
 from fmoe.ops.fp8 import check_fp8_fast_accum
-from fmoe.ops.backend import IMPLS
 from fmoe.ops.backend import local_tensor as _local
 
 # activation checkpointing (TransformerConfig.ac): what the backward recomputes instead of
@@ -1033,8 +1032,6 @@ class TransformerConfig:
     def __post_init__(self):
         if self.ac not in AC_MODES:
             raise ValueError(f"ac: expected one of {', '.join(AC_MODES)}, got {self.ac!r}")
-        if self.impl not in IMPLS:  # else refused only at the first forward, deep in a layer
-            raise ValueError(f"impl: expected one of {', '.join(IMPLS)}, got {self.impl!r}")
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "k", "ffn_dense", "ffn_expert"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -1298,16 +1295,9 @@ class TransformerConfig:
         for name in ("swiglu_limit", "shared_swiglu_limit"):
             if getattr(self, name + "_layers") is not None and getattr(self, name) is None:
                 raise ValueError(f"{name}_layers: the blocks that {name} clamps, needs {name}")
-        self.moe_config(every_limit=True)  # its own checks (the SwiGLU options)
-        if self.score == "sparsemixer":  # its knobs checked above
-            if self.expert_bias:
-                raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
-            return
-        # the routing knobs, checked by the op itself on no tokens (named as this config's fields)
-        with _named_as(MOE_FIELDS):
-            route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
-                  n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
-                  normalize=self.route_normalize, check=False, impl="torch")
+        self.moe_config(every_limit=True)  # its own checks (the SwiGLU options, impl, and route's knobs by route itself), named as these fields
+        if self.score == "sparsemixer" and self.expert_bias:
+            raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
 
     def _check_hash(self) -> None:
         """hash_layers (class docstring)."""
