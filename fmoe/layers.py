@@ -994,6 +994,13 @@ class AttentionConfig:
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.rot_dim is not None and (isinstance(self.rot_dim, bool) or not isinstance(self.rot_dim, int) or self.rot_dim < 2):
             raise ValueError(f"rot_dim: expected an even int >= 2, or None (every channel; rope=False rotates none), got {self.rot_dim!r}")
+        # what attention() and attention_context() would refuse at their first call, refused here
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads: the {self.n_heads} query heads must split evenly over the kv heads, got n_kv_heads = {self.n_kv_heads}")
+        if self.rot_dim is not None and self.rot_dim > self.head_dim:
+            raise ValueError(f"rot_dim: expected an even number <= head_dim = {self.head_dim}, got {self.rot_dim}")
+        if self.impl not in (*IMPLS, "flex"):
+            raise ValueError(f"impl: expected one of {', '.join((*IMPLS, 'flex'))}, got {self.impl!r}")
         if self.local_rope_base is not None:
             if isinstance(self.local_rope_base, bool) or not isinstance(self.local_rope_base, (int, float)) or not 1 < self.local_rope_base < math.inf:
                 raise ValueError(f"local_rope_base: expected None or a finite number > 1, got {self.local_rope_base!r}")

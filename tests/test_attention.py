@@ -348,8 +348,8 @@ def test_attention_bad_inputs():
     p = _params(CFG)
     x, cu = torch.randn(6, H), torch.tensor([0, 6])
     ctx = _ctx(cu, CFG)
-    with pytest.raises(ValueError, match="cfg.n_kv_heads"):
-        attention(x, p, dataclasses.replace(CFG, n_kv_heads=3), ctx)
+    with pytest.raises(ValueError, match="^n_kv_heads: the 4 query heads must split evenly over the kv heads, got n_kv_heads = 3"):
+        dataclasses.replace(CFG, n_kv_heads=3)  # at construction, not at attention's first call
     for name, value, message in (("n_heads", 0, "expected >= 1, got 0"), ("n_kv_heads", -2, "expected >= 1, got -2"),
                                  ("head_dim", 0, "expected >= 1, got 0"), ("n_heads", 2.0, "expected an int, got 2.0")):
         with pytest.raises(ValueError, match=f"^{name}: {message}"):  # the field itself, as the config is built
@@ -377,8 +377,8 @@ def test_attention_bad_inputs():
     with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):
         attention(x, p, flex, _ctx(cu, flex))
     # the context checks shapes (its values were checked where the batch was made)
-    with pytest.raises(ValueError, match=r"cfg.rot_dim: expected an even number <= head_dim = 16, got 18"):
-        _ctx(cu, dataclasses.replace(CFG, rot_dim=18))
+    with pytest.raises(ValueError, match=r"^rot_dim: expected an even number <= head_dim = 16, got 18"):
+        dataclasses.replace(CFG, rot_dim=18)
     with pytest.raises(ValueError, match=r"rot_dim: expected an even number of rotated channels \(pairs\), got 7"):
         dataclasses.replace(CFG, rot_dim=7)  # the config itself refuses an odd one
     for bad in (0, -2, 8.0, True):  # 0 rotated every channel (`rot_dim or head_dim`)
@@ -386,8 +386,8 @@ def test_attention_bad_inputs():
             dataclasses.replace(CFG, rot_dim=bad)
     with pytest.raises(ValueError, match="positions: expected a 1-D tensor"):
         attention_context(cu, torch.arange(6)[None], CFG)
-    with pytest.raises(ValueError, match="cfg.impl: expected one of"):
-        _ctx(cu, dataclasses.replace(CFG, impl="nope"))
+    with pytest.raises(ValueError, match="^impl: expected one of auto, triton, torch, flex, got 'nope'"):
+        dataclasses.replace(CFG, impl="nope")
     with pytest.raises(ValueError, match=r"mask: expected a \[6, 6\] bool tensor"):
         attention_context(cu, torch.arange(6), CFG, mask=torch.ones(5, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask: expected a BlockMask"):
