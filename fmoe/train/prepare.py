@@ -15,15 +15,17 @@ its name (case-insensitive) a file is:
                                 (read 1024 rows at a time with pyarrow: pip install 'fmoe[data]')
     *.gz                        gzip-compressed text: one document
     anything else               UTF-8 text: one document
-    (*.zst / *.zstd are refused: decompress them first)
+    (refused: *.zst / *.zstd, decompress them first; tar archives, *.tar / *.tar.gz / *.tgz,
+    extract them first; a text or .gz file holding a NUL byte, which text never does)
 
 Each non-empty document's text is encoded by a Hugging Face `tokenizers`
 Tokenizer (the `data` extra: pip install 'fmoe[data]') without the tokenizer's
 post-processing (no BOS / CLS added), then the separator id. The separator is
---separator (a token string, or an id when all digits), else the first of
+--separator (a token string, or an id when all digits 0-9), else the first of
 SEPARATOR_TOKENS the tokenizer knows. A document whose text already encodes to the
 separator id is refused, naming the file (and line or row): it would read back as two
-documents. So is a record without a string --text_key (null, a number, a missing key).
+documents. So is a record without a string --text_key (null, a number, a missing key), and
+a text holding a lone surrogate (a JSON "\\ud800" escape without its pair: not Unicode).
 
 Prompts and responses (instruction tuning): --prompt_key names a second field (or
 column) of each record, its prompt. The document is then the prompt's ids, then the
@@ -78,6 +80,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import sys
 import time
 import zlib
@@ -97,6 +100,7 @@ SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]"
 _BATCH_CHARS = 1 << 22
 _PROGRESS_SECONDS = 1.0
 _PARQUET_ROWS = 1024  # rows of a Parquet file read at a time
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone one (a JSON escape without its pair): tokenizers refuses the str
 
 
 def _load_tokenizer(path: Path):
@@ -105,6 +109,8 @@ def _load_tokenizer(path: Path):
     except ImportError as err:
         raise ImportError("fmoe.train.prepare needs the Hugging Face tokenizers package: "
                           "pip install 'fmoe[data]' (or tokenizers)") from err
+    if path.is_dir():
+        raise ValueError(f"tokenizer: {str(path)!r} is a directory; expected its tokenizer.json file")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer: {str(path)!r} does not exist")
     try:
@@ -171,6 +177,8 @@ def _kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith((".zst", ".zstd")):
         raise ValueError(f"src: {str(path)!r} is zstd-compressed, which is not read here; decompress it first (zstd -d)")
+    if name.endswith((".tar", ".tar.gz", ".tgz")):
+        raise ValueError(f"src: {str(path)!r} is a tar archive, which is not read here; extract it first (tar -xf) and give its directory")
     if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
         return "jsonl"
     if name.endswith(".parquet"):
@@ -267,7 +275,12 @@ def _documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Ite
     elif kind == "parquet":
         yield from _parquet_documents(path, fields)
     else:
-        yield repr(str(path)), _decode(_read_bytes(path, kind == "gzip"), repr(str(path)))
+        data = _read_bytes(path, kind == "gzip")
+        text = _decode(data, repr(str(path)))
+        if b"\0" in data:  # valid UTF-8, but not text: a tar archive by another name, UTF-16, a binary file
+            raise ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {data.index(0)}), which text does not; "
+                             "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
+        yield repr(str(path)), text
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -285,6 +298,11 @@ def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int,
     separator; and when `masked`, their loss mask [n_tokens] uint8: 0 on a prompt's ids, and
     with `spans` (a conversation's trained characters, fmoe.train.chat) 0 on the tokens
     outside them, the separator taking its document's last token's value."""
+    for where, text, prompt, _ in pending:
+        for part in (text, prompt):
+            if part is not None and (bad := _SURROGATE.search(part)):
+                raise ValueError(f"src: {where} is not valid Unicode: it holds a lone surrogate (U+{ord(bad.group()):04X}, "
+                                 "a JSON \\ud800-\\udfff escape without its pair)")
     encodings = tokenizer.encode_batch([p[1] for p in pending], add_special_tokens=False)
     prompted = pending[0][2] is not None
     prompts = tokenizer.encode_batch([p[2] for p in pending], add_special_tokens=False) if prompted else [None] * len(pending)
@@ -339,6 +357,9 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         chat_template_kwargs: with messages_key, more variables for the template, e.g.
             {"enable_thinking": False} (as apply_chat_template's **kwargs).
     """
+    for name, path in (("src", src), ("out", out), ("tokenizer", tokenizer)):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"{name}: expected a path (str or os.PathLike), got {type(path).__name__}")
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
     if out.suffix.lower() == ".npy":  # the loaders read a .npy name as numpy's array format, which this file is not
         raise ValueError(f"out: {str(out)!r} would be read as a numpy array; name the token file .u16, .u32 or .bin")
@@ -449,7 +470,7 @@ def main(argv=None) -> int:
     parser.add_argument("src", help="a directory of source files (text, .gz, .jsonl[.gz], .parquet), or one")
     parser.add_argument("out", help="the token file to write, e.g. data/code.u16 (and its .index.json)")
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json")
-    parser.add_argument("--separator", default=None, help="end-of-document token, or its id (digits); "
+    parser.add_argument("--separator", default=None, help="end-of-document token, or its id (digits 0-9); "
                         f"default: the first of {', '.join(SEPARATOR_TOKENS)} the tokenizer knows")
     parser.add_argument("--text_key", default="text", help="the JSON Lines field / Parquet column of the text (default: text)")
     parser.add_argument("--prompt_key", default=None, help="the field / column of a prompt before each text, left out of the loss "
@@ -463,7 +484,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=list(FILE_DTYPES), default=None,
                         help="default: from OUT's suffix, else uint16 when the vocabulary fits, else uint32")
     args = parser.parse_args(argv)
-    separator = int(args.separator) if args.separator is not None and args.separator.isdigit() else args.separator
+    digits = args.separator is not None and args.separator.isascii() and args.separator.isdigit()  # not '²', not a full-width '２'
+    separator = int(args.separator) if digits else args.separator
     try:
         index = prepare(args.src, args.out, tokenizer=args.tokenizer, separator=separator, dtype=args.dtype, text_key=args.text_key,
                         prompt_key=args.prompt_key, messages_key=args.messages_key, chat_template=args.chat_template,

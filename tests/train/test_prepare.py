@@ -420,3 +420,68 @@ def test_bad_prompt_sources_and_masks(tmp_path, tokenizer_path):
     mask.unlink()
     with pytest.raises(ValueError, match="the loss mask '.*o.u16.loss_mask' that '.*o.u16.index.json' names does not exist"):
         load_token_file(out)
+
+
+def test_tar_archives_and_nul_bytes_are_refused(tmp_path, tokenizer_path):
+    """A tar archive is not a text document (its headers and padding are NUL bytes that decode
+    as UTF-8): refused by its name, or, named otherwise, by the NUL bytes of its text."""
+    import gzip
+    import io
+    import tarfile
+
+    (tmp_path / "doc.txt").write_text("some text")
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        tar.add(tmp_path / "doc.txt", arcname="doc.txt")
+    out = tmp_path / "out.u16"
+    for name, data in (("c.tar", archive.getvalue()), ("c.tar.gz", gzip.compress(archive.getvalue())), ("c.TGZ", gzip.compress(archive.getvalue()))):
+        src = tmp_path / name.replace(".", "_")
+        src.mkdir()
+        (src / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"src: '.*{name}' is a tar archive, which is not read here; extract it first \(tar -xf\)"):
+            prepare(src, out, tokenizer=tokenizer_path, progress=False)
+    (tmp_path / "c.gz").write_bytes(gzip.compress(archive.getvalue()))
+    (tmp_path / "utf16.txt").write_text("text", encoding="utf-16-le")
+    for name in ("c.gz", "utf16.txt"):
+        with pytest.raises(ValueError, match=rf"src: '.*{name}' holds a NUL byte \(at byte \d+\), which text does not; extract an archive"):
+            prepare(tmp_path / name, out, tokenizer=tokenizer_path, progress=False)
+    assert not out.exists()
+
+
+def test_a_lone_surrogate_names_its_line(tmp_path, tokenizer_path):
+    """A JSON "\\ud800" escape without its pair is valid JSON but not Unicode: a text, a prompt or
+    a message holding one stops the run naming the line (tokenizers would raise a TypeError)."""
+    out = tmp_path / "out.u16"
+    (tmp_path / "t.jsonl").write_text('{"text": "ok"}\n{"text": "bad \\ud800 x"}\n')
+    (tmp_path / "p.jsonl").write_text('{"text": "ok", "prompt": "bad \\udc00"}\n')
+    (tmp_path / "m.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\\ud83d"}]}\n')
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    for name, code, kw in (("t.jsonl:2", "D800", {}), ("p.jsonl:1", "DC00", dict(prompt_key="prompt")),
+                           ("m.jsonl:1", "D83D", dict(messages_key="messages", chat_template=tmp_path / "t.jinja"))):
+        name, line = name.split(":")
+        with pytest.raises(ValueError, match=rf"src: '.*{name}' line {line} is not valid Unicode: it holds a lone surrogate \(U\+{code},"):
+            prepare(tmp_path / name, out, tokenizer=tokenizer_path, progress=False, **kw)
+    assert not out.exists()
+
+
+def test_paths_that_are_not_paths(tmp_path, tokenizer_path, capsys):
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(ValueError, match=r"src: expected a path \(str or os.PathLike\), got list"):
+        prepare([tmp_path / "a.txt"], tmp_path / "o.u16", tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(ValueError, match=r"src: expected a path \(str or os.PathLike\), got NoneType"):
+        prepare(None, tmp_path / "o.u16", tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(ValueError, match=r"tokenizer: expected a path \(str or os.PathLike\), got NoneType"):
+        prepare(tmp_path / "a.txt", tmp_path / "o.u16", tokenizer=None, progress=False)
+    assert main([str(tmp_path / "a.txt"), str(tmp_path / "o.u16"), f"--tokenizer={tokenizer_path.parent}"]) == 1
+    assert f"error: tokenizer: '{tokenizer_path.parent}' is a directory; expected its tokenizer.json file" in capsys.readouterr().err
+
+
+def test_cli_separator_id_is_ascii_digits(tmp_path, capsys):
+    """Only 0-9 make an id: '²' and a full-width '２' are token strings (str.isdigit() takes both)."""
+    tok = _word_tokenizer(tmp_path / "w.json", 20)
+    (tmp_path / "w.txt").write_text("w1 w2")
+    for separator in ("²", "２"):
+        assert main([str(tmp_path / "w.txt"), str(tmp_path / "o.u16"), f"--tokenizer={tok}", f"--separator={separator}"]) == 1
+        assert f"error: separator: the tokenizer has no token '{separator}'" in capsys.readouterr().err
+    assert main([str(tmp_path / "w.txt"), str(tmp_path / "o.u16"), f"--tokenizer={tok}", "--separator=3"]) == 0
+    assert json.loads((tmp_path / "o.u16.index.json").read_text())["separator"] == 3
