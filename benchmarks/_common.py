@@ -49,8 +49,9 @@ def summary(doc: str) -> str:
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     """Argument parser with the flags every benchmark takes; scripts may add their own.
-    description: the script's docstring (its first paragraph is shown)."""
-    parser = argparse.ArgumentParser(description=summary(description))
+    description: the script's docstring (its first paragraph is shown). Flags are taken whole,
+    not abbreviated: SMOKE reads "--smoke" from sys.argv before the parser runs."""
+    parser = argparse.ArgumentParser(description=summary(description), allow_abbrev=False)
     parser.add_argument(
         "--smoke", action="store_true",
         help="run on CPU with tiny shapes, Triton kernels through the interpreter "

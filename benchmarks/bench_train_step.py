@@ -167,8 +167,11 @@ def main() -> None:
                             help="comma-separated implementations to time, e.g. 'fmoe compiled' (default: all)")
 
     args, device, dtype, bandwidth = start(__doc__, add_arguments)
-    base = SMOKES.get(args.model, SMOKE) if args.smoke else MODELS[args.model]
-    print(f"model: {'smoke' if args.smoke else args.model}", flush=True)
+    if args.smoke:  # the tiny model of --model's kind, labelled "dsa (smoke)", ...; large and small share one: "smoke"
+        base, label = SMOKES.get(args.model, SMOKE), f"{args.model} (smoke)" if args.model in SMOKES else "smoke"
+    else:
+        base, label = MODELS[args.model], args.model
+    print(f"model: {label}", flush=True)
     T = 32 if args.smoke else 16384
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
@@ -212,7 +215,7 @@ def main() -> None:
             continue
         tflops = flops_per_token * T / (ms * 1e-3) / 1e12
         rows.append({
-            "impl": name, "model": "smoke" if args.smoke else args.model, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
+            "impl": name, "model": label, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
             "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
             "syncs/step": syncs, "fwd+bwd reads": reads,
             "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token, "tokens": T,

@@ -114,7 +114,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each benchmark may run (default 600)")
     parser.add_argument("--gpu-tests", action="store_true", help="run `pytest -q -m gpu` first and record its summary")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the Markdown file appended to (default benchmarks/RESULTS.md)")
-    parser.add_argument("--out", default="bench_out", help="where the benchmarks write their CSVs (default bench_out)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench_out",
+                        help="where the benchmarks write their CSVs, relative to the current directory as --results is "
+                             "(default: bench_out in the repository root)")
     parser.add_argument("--profile", action="store_true", help="each benchmark's --profile: a torch.profiler trace and ops table of "
                                                               "every timed call, in OUT/profile/")
     parser.add_argument("--extra", default="", help="more flags for each benchmark, one string (--extra=--fp8: bench_train_step's fp8 run)")
@@ -128,6 +130,12 @@ def main(argv: list[str]) -> int:
         parser.error(f"--only: unknown benchmarks {unknown}; expected some of {', '.join(names)}")
     if not args.timeout > 0:
         parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout:g}")
+    if args.results.is_dir():
+        parser.error(f"--results: expected a file to append to, got the directory {str(args.results)!r}")
+    try:
+        extra = shlex.split(args.extra)
+    except ValueError as err:
+        parser.error(f"--extra: expected flags as a shell splits them, got {args.extra!r} ({err})")
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --smoke sets it; GPU runs compile
     # the children import this checkout's fmoe, whatever the environment installed
@@ -148,7 +156,8 @@ def main(argv: list[str]) -> int:
     if args.gpu_tests:
         parts.append(("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], GPU_TEST_TAIL))
     for name in chosen:
-        flags = ["--out", args.out] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + shlex.split(args.extra)
+        # the children run in the repository root: they get --out as an absolute path
+        flags = ["--out", str(args.out.absolute())] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + extra
         parts.append((name, [sys.executable, str(HERE / f"{name}.py"), *flags], None))
     for title, cmd, tail in parts:
         print(f"== {title}", flush=True)

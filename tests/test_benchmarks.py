@@ -5,6 +5,7 @@ import csv
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -64,6 +65,17 @@ def test_help_says_what_each_benchmark_does_in_whole_sentences():
                          env=_script_env(), timeout=300)
     assert out.returncode == 0 and " ".join(out.stdout.split()).count(
         "its cost, and what tensor parallelism with sequence parallelism (tp = 2) leaves on each rank.") == 1, out.stdout
+
+
+def test_benchmark_flags_are_taken_whole(capsys):
+    """_common decides SMOKE (and TRITON_INTERPRET) from a literal "--smoke" before argparse runs: an abbreviation
+    argparse took for it (--smok) ran the smoke shapes without the interpreter, and failed there."""
+    parser = _common().base_parser("A benchmark.")
+    for abbreviated in ("--smok", "--prof", "--ou=x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([abbreviated])
+        assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
+    assert parser.parse_args(["--smoke", "--out", "x"]).smoke
 
 
 def _common():
@@ -166,6 +178,25 @@ def test_run_all_refuses_unknown_benchmarks_and_bad_timeouts(tmp_path):
     assert not (tmp_path / "RESULTS.md").exists()
 
 
+def test_run_all_refuses_bad_extra_flags_and_a_directory_to_append_to_before_writing(tmp_path):
+    bad = _run_all(tmp_path, '--extra="')
+    assert bad.returncode == 2 and """--extra: expected flags as a shell splits them, got '"' (No closing quotation)""" in bad.stderr
+    (tmp_path / "dir").mkdir()
+    bad = _run_all(tmp_path, "--results", str(tmp_path / "dir"))  # the last --results counts
+    assert bad.returncode == 2 and f"--results: expected a file to append to, got the directory {str(tmp_path / 'dir')!r}" in bad.stderr
+    assert not (tmp_path / "RESULTS.md").exists() and not list((tmp_path / "dir").iterdir())
+
+
+def test_run_all_takes_out_relative_to_the_callers_directory(tmp_path):
+    """As --results: the benchmarks, which run in the repository root, get it as an absolute path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--only", "bench_rope", "--timeout", "0.01",
+                          "--out", "csv", "--results", "RESULTS.md"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]  # timed out: only its command line is looked at
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert f"benchmarks/bench_rope.py --out {shlex.quote(str(tmp_path / 'csv'))} --smoke`: timed out" in text, text
+
+
 def test_bench_routing_runs_the_cases_named():
     _common()  # benchmarks/ on the path
     import bench_routing
@@ -239,9 +270,10 @@ def plain_train_step_row(tmp_path_factory):
 def test_bench_train_step_times_the_hybrid_models(kind, tmp_path, plain_train_step_row):
     """--model falcon_h1 (a Mamba-2 mixer beside the attention in both blocks) and jamba (a
     Mamba-1 mixer in block 0, the scan's kernels through the interpreter) with --smoke: the
-    tiny model of its kind, eager, makes no host sync in its step; its row counts the model's
-    parameters and FLOPs (the mixers': tests/train/test_metrics.py) beside the default smoke
-    model's."""
+    tiny model of its kind, eager, makes no host sync in its step; its row, labelled
+    "<kind> (smoke)", counts the model's parameters and FLOPs (the mixers':
+    tests/train/test_metrics.py) beside the default smoke model's (labelled "smoke")."""
     hybrid, plain = _train_step_row(kind, tmp_path), plain_train_step_row  # --smoke: the tiny models (SMOKE_FALCON_H1 or SMOKE_JAMBA, SMOKE)
+    assert hybrid["model"] == f"{kind} (smoke)" and plain["model"] == "smoke"  # the rows told apart
     assert hybrid["impl"] == "fmoe eager" and int(hybrid["syncs/step"]) == 0 and int(hybrid["fwd+bwd reads"]) == 0
     assert int(hybrid["params"]) > int(plain["params"]) and float(hybrid["flops_per_token"]) > float(plain["flops_per_token"])

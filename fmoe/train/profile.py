@@ -29,18 +29,15 @@ PHASE_PREFIX = "fmoe."  # the loop's ranges in a trace: fmoe.forward_backward, f
 
 
 def parse_steps(spec: str) -> Optional[tuple[int, int]]:
-    """"START:END" (1-based steps, both profiled) or "N" (that step alone) -> (START, END);
-    "" -> None. ValueError naming --profile for anything else."""
-    if not spec:
+    """"START:END" (1-based steps, both profiled) or "N" (that step alone), in ASCII digits ->
+    (START, END); "" (or None) -> None. ValueError naming --profile for anything else."""
+    if spec is None or spec == "":
         return None
-    parts = spec.split(":")
-    try:
-        start, end = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
-    except ValueError:
-        start = end = None
-    if start is None or not 1 <= start <= end:
+    # ASCII digits alone: int() would also take "1_0" (10), "+3", " 4 " and other scripts' digits
+    parts = spec.split(":") if isinstance(spec, str) else []
+    if not 1 <= len(parts) <= 2 or not all(p.isascii() and p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[-1]):
         raise ValueError(f"--profile: expected START:END steps with 1 <= START <= END (or one step N), got {spec!r}")
-    return start, end
+    return int(parts[0]), int(parts[-1])
 
 
 def activities(device_type: str) -> list:
@@ -65,11 +62,17 @@ def phase(name: str):
 
 
 class StepProfiler:
-    """Records steps steps[0]..steps[1] (see the module docstring; steps=None: none);
-    start_step / end_step around every step, profiled or not. memory: also the CUDA
-    allocator's history (ValueError on another device)."""
+    """Records steps steps[0]..steps[1] (see the module docstring; steps=None: none), a pair of
+    1-based steps as parse_steps returns (ValueError otherwise); start_step / end_step around
+    every step, profiled or not. memory: also the CUDA allocator's history (ValueError on
+    another device)."""
 
     def __init__(self, out_dir, steps: Optional[tuple[int, int]], *, rank: int = 0, device_type: str = "cpu", memory: bool = False):
+        if steps is not None:
+            pair = isinstance(steps, (tuple, list)) and len(steps) == 2 and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            if not pair or not 1 <= steps[0] <= steps[1]:
+                raise ValueError(f"steps: expected None or (START, END), ints with 1 <= START <= END as parse_steps returns, got {steps!r}")
+            steps = tuple(steps)
         if memory and device_type != "cuda":
             raise ValueError(f"--memory_snapshot: records the CUDA allocator; this run is on {device_type}")
         self.dir, self.steps, self.rank, self.device_type, self.memory = Path(out_dir) / "profile", steps, rank, device_type, memory

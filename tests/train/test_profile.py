@@ -17,6 +17,21 @@ def test_steps_parse_as_users_type_them():
             parse_steps(bad)
 
 
+def test_steps_are_ascii_digits_in_a_string():
+    """int() takes "1_0" as 10 and other scripts' digits ("٣": 3); a number or a pair is no spec string."""
+    for bad in ("1_0", "٣", "1:٣", "+3", " 4 ", 5, (1, 2)):
+        with pytest.raises(ValueError, match=r"--profile: expected START:END steps with 1 <= START <= END \(or one step N\), got "):
+            parse_steps(bad)
+
+
+def test_the_profiler_refuses_steps_parse_steps_would_not_give(tmp_path):
+    """Refused when made, not at the first start_step or end_step (a TypeError or an IndexError there)."""
+    for bad in ((5, 3), (0, 2), "2:3", (3,), (1, 2, 3), (1.0, 2), 4):
+        with pytest.raises(ValueError, match=r"steps: expected None or \(START, END\), ints with 1 <= START <= END as parse_steps returns"):
+            StepProfiler(tmp_path, bad)
+    assert StepProfiler(tmp_path, [2, 3]).steps == (2, 3)
+
+
 def _run(profiler, steps):
     """A loop of `steps` steps, each a matmul inside a phase; {step: files written}."""
     x = torch.randn(32, 48)
