@@ -135,10 +135,11 @@ def permute_ref(x_TH: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
 def unpermute_ref(y_perm_RH: torch.Tensor, plan: PermutePlan, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
     row_TK = plan.row_of_slot.long()
     kept_TK = row_TK >= 0
-    y_TKH = y_perm_RH[row_TK.clamp(min=0)].float()
+    # a dropped slot reads row 0: its row and weight are zeroed before the product, so a
+    # non-finite value there reaches neither the output nor a gradient (as in the kernels)
+    y_TKH = torch.where(kept_TK[..., None], y_perm_RH[row_TK.clamp(min=0)].float(), 0.0)
     if weights_TK is not None:
-        y_TKH = y_TKH * weights_TK.float()[..., None]
-    y_TKH = torch.where(kept_TK[..., None], y_TKH, 0.0)
+        y_TKH = y_TKH * torch.where(kept_TK, weights_TK.float(), 0.0)[..., None]
     return y_TKH.sum(1).to(y_perm_RH.dtype)
 
 

@@ -303,6 +303,25 @@ def test_empty_batch(impl, device):
     assert unpermute(x_perm, plan, torch.rand(0, 2, device=device), impl=impl).shape == (0, 4)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_dropped_slots_reach_no_gradient(impl, device):
+    """A dropped slot (-1) contributes nothing, its weight's gradient included, whatever its
+    weight holds or row 0 (which the reference's gather reads for it) holds: before, a NaN
+    weight on a dropped slot made the kept row's gradient NaN on the torch path."""
+    x, experts = torch.randn(2, 3, device=device), torch.tensor([[0], [-1]], device=device)
+    for weight, row0 in ((float("nan"), 1.0), (float("inf"), 1.0), (0.5, float("inf"))):
+        x_perm, plan = permute(x, experts, 2, impl=impl)
+        y_perm = x_perm.detach().clone()
+        y_perm[0] = row0
+        y_perm.requires_grad_()
+        weights = torch.tensor([[2.0], [weight]], device=device, requires_grad=True)
+        y = unpermute(y_perm, plan, weights, impl=impl)
+        assert y[1].eq(0).all(), y  # the dropped token's output
+        y.backward(torch.ones_like(y))
+        assert y_perm.grad[0].eq(2.0).all() and y_perm.grad[1:].eq(0).all(), y_perm.grad
+        assert weights.grad[1].item() == 0.0, weights.grad
+
+
 def test_kernels_drop_unchecked_out_of_range_ids(device):
     # permute checks ids (a host sync); under torch.compile it cannot, and the kernels must
     # then not write outside the plan
