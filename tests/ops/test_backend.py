@@ -252,3 +252,45 @@ def test_the_interpreter_s_dtype_table_gives_its_own_dtypes(monkeypatch):
         _helper_loop_kernel[(1,)](x, out, N=8, STEPS=3, FAIL=False)
         results.append(out)
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@triton.jit
+def _to_bfloat16_kernel(x_ptr, cast_ptr, stored_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(cast_ptr + i, x.to(tl.bfloat16))
+    tl.store(stored_ptr + i, x)  # a float32 stored to a bfloat16 pointer: cast by the store
+
+
+def _bfloat16_cases(device):
+    """Random magnitudes over float32's range, ties (1 + 2**-8 rounds to even: 1; 1 + 3 * 2**-8
+    to 1 + 2**-6), a sum torch rounds up, specials and subnormals."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * 10.0 ** torch.randint(-40, 38, (1000,), generator=g).float()
+    special = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1.005859375, float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0,
+                            1e-40, -3e-39, 2.0**-133])
+    return torch.cat([x, special, torch.zeros(1024 - 1000 - special.numel())]).to(device)
+
+
+def _bfloat16_bits(t):
+    return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).view(torch.int16)  # one NaN's bits
+
+
+def test_kernels_round_float32_to_bfloat16_to_nearest_even(device, monkeypatch):
+    """A kernel's cast of float32 to bfloat16, explicit or by a store, rounds to the nearest even
+    as torch's conversion does, bit for bit, on a GPU and (round_interpreter_bfloat16,
+    installed on import) under the interpreter, whose own cast cuts the mantissa."""
+    x = _bfloat16_cases(device)
+    want = _bfloat16_bits(x.to(torch.bfloat16))
+    assert x.to(torch.bfloat16)[1000:1003].tolist() == [1.0, 1.015625, 1.0078125]
+    cast, stored = (torch.empty(1024, dtype=torch.bfloat16, device=device) for _ in range(2))
+    _to_bfloat16_kernel[(1,)](x, cast, stored, N=1024)
+    assert torch.equal(_bfloat16_bits(cast), want) and torch.equal(_bfloat16_bits(stored), want)
+    if backend.interpreting():  # the interpreter's own cast truncates: the test above is not vacuous
+        from triton.runtime import interpreter
+
+        assert backend.round_interpreter_bfloat16() and interpreter.InterpreterBuilder.cast_impl._fmoe
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", interpreter.InterpreterBuilder.cast_impl.__wrapped__)
+        _to_bfloat16_kernel[(1,)](x, cast, stored, N=1024)
+        assert cast[1000:1003].tolist() == [1.0, 1.0078125, 1.0]  # cut: 1 + 3 * 2**-8 and 1.00586 one step down
+        assert (_bfloat16_bits(cast) != want).sum() > 400
