@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_cu_seqlens, check_expert_ids, check_float, check_index, check_positive_int, check_token_mask, checking
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_experts, check_expert_ids, check_float, check_index, check_positive_int, check_token_mask, checking
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.routing import Routes, keep_slots, sqrt_softplus, sqrt_softplus_tl
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
@@ -80,14 +80,6 @@ def _kept_ids(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
     flat = experts.reshape(-1).long()
     kept = (flat >= 0) & (flat < n_experts)
     return torch.where(kept, flat, 0), kept.long()
-
-
-def _check_experts(name: str, x: torch.Tensor) -> None:
-    """x [T, E] has E >= 1: with no expert the switch loss is a sum over nothing, the
-    sequence loss's counts have no column to scatter into, and z_loss is a logsumexp over
-    nothing (-inf, squared to inf)."""
-    if x.shape[1] == 0:
-        raise ValueError(f"{name}: expected at least one expert (E >= 1), got shape {tuple(x.shape)}")
 
 
 def z_loss_ref(logits_TE):
@@ -176,7 +168,7 @@ def _lse_fwd_kernel(logits_ptr, lse_ptr, T, E: tl.constexpr, BLOCK_T: tl.constex
     live = (rows_T[:, None] < T) & (cols_E[None, :] < E)
     x = tl.load(logits_ptr + rows_T[:, None].to(tl.int64) * E + cols_E[None, :], mask=live, other=float("-inf")).to(tl.float32)
     row_max = tl.max(x, axis=1)
-    row_max = tl.where(rows_T < T, row_max, 0.0)
+    row_max = tl.where((rows_T < T) & (row_max > float("-inf")), row_max, 0.0)  # a row of -inf: lse -inf, as torch's
     lse = row_max + tl.log(tl.sum(tl.exp(x - row_max[:, None]), axis=1))
     tl.store(lse_ptr + rows_T, lse, mask=rows_T < T)
 
@@ -325,9 +317,10 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
         (scores [T, E] float32, differentiable; experts [T, k] int64) and counts when asked.
     """
     check_float("logits", logits, 2, "[T, E]")
-    _check_experts("logits", logits)
+    check_experts("logits", logits)
     E = logits.shape[1]
     check_positive_int("k", k, 1, E)
+    check_bools(return_counts=return_counts)
     if score not in AUX_SCORES:
         raise ValueError(f"score: expected one of {AUX_SCORES}, got {score!r}")
     code = AUX_SCORES.index(score)
@@ -341,7 +334,7 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
 
 def _check_scores_counts(scores, counts):
     check_float("scores", scores, 2, "[T, E]")
-    _check_experts("scores", scores)
+    check_experts("scores", scores)
     E = scores.shape[1]
     if not isinstance(counts, torch.Tensor) or counts.shape != (E,):
         raise ValueError(f"counts: expected a tensor of shape ({E},), got {getattr(counts, 'shape', type(counts).__name__)}")
@@ -381,6 +374,9 @@ def mask_tokens(scores: torch.Tensor, experts: torch.Tensor, mask: torch.Tensor)
     with those rows 0 (differentiable: no gradient reaches them) and experts [T, k] with
     those rows -1 (skipped by every count): each token's row dropped as
     fmoe.ops.routing.keep_slots drops slots. mask: [T] bool. Masking twice changes nothing."""
+    if mask is None:
+        raise ValueError("mask: expected a bool tensor [T] (True where a token counts), got None")
+    check_token_mask("mask", mask, scores.shape[0])
     scores, experts = keep_slots(Routes(scores, experts), mask[:, None])
     return scores, experts
 
@@ -409,7 +405,7 @@ def seq_load_balancing_loss(
     Returns: 0-D float32 tensor.
     """
     check_float("scores", scores, 2, "[T, E]")
-    _check_experts("scores", scores)
+    check_experts("scores", scores)
     T, E = scores.shape
     check_index("experts", experts, 2, "[T, k]")
     check_positive_int("k", k)
@@ -464,13 +460,15 @@ def z_loss(logits: torch.Tensor, *, mask: Optional[torch.Tensor] = None, impl: s
     zero gradient), no host sync.
     """
     check_float("logits", logits, 2, "[T, E]")
-    _check_experts("logits", logits)
+    check_experts("logits", logits)
     check_token_mask("mask", mask, logits.shape[0])
     if mask is None and logits.shape[0] == 0:
         raise ValueError("logits: z_loss is a mean over tokens and needs T >= 1 (with a mask, none in it gives 0)")
     if mask is not None:
-        lse_T = _lse_fwd(logits) if use_triton(impl, logits) else torch.logsumexp(logits.float(), dim=-1)
         mask = mask.to(logits.device)
+        # the left-out rows read as zeros: their values (padding's -inf rows) reach no gradient
+        logits = torch.where(mask[:, None], logits, 0.0)
+        lse_T = _lse_fwd(logits) if use_triton(impl, logits) else torch.logsumexp(logits.float(), dim=-1)
         return torch.where(mask, lse_T.square(), 0.0).sum() / mask.sum().clamp(min=1)
     if use_triton(impl, logits):
         return _lse_fwd(logits).square().mean()
@@ -499,6 +497,7 @@ def update_expert_bias(
         raise ValueError(f"counts: expected a tensor of shape {tuple(bias.shape)}, got {getattr(counts, 'shape', type(counts).__name__)}")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate < math.inf):
         raise ValueError(f"rate: expected a finite number >= 0, got {rate!r}")
+    check_bools(center=center, proportional=proportional)
     c = counts.to(device=bias.device, dtype=torch.float32)
     mean = c.mean()
     delta = ((mean - c) / mean.clamp(min=1e-9) if proportional else torch.sign(mean - c)) * rate

@@ -121,6 +121,21 @@ def check_expert_ids(name: str, experts: torch.Tensor, n_experts: int) -> None:
         raise ValueError(f"{name}: ids must lie in -1..{n_experts - 1} (-1: a dropped or skipped slot), got {lo}..{hi}")
 
 
+def check_experts(name: str, x: torch.Tensor) -> None:
+    """x [T, E] has E >= 1: with no expert a top-k has nothing to choose, the switch loss is
+    a sum over nothing, the sequence loss's counts have no column to scatter into, and z_loss
+    is a logsumexp over nothing (-inf, squared to inf)."""
+    if x.shape[1] == 0:
+        raise ValueError(f"{name}: expected at least one expert (E >= 1), got shape {tuple(x.shape)}")
+
+
+def check_bools(**flags) -> None:
+    """Each flag a bool (a "False" read from a config is not one), named in the error."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
+
+
 def check_positive_int(name: str, value, low: int = 1, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an int, got {value!r}")

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_positive_int, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_float, check_positive_int, check_rows_and_state
 from fmoe.ops.packed import sequence_ids
 
 
@@ -123,6 +123,7 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
 def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool):
     """gated_delta_rule_loop, or gated_linear_attention_loop with beta None."""
     scale = _check(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    check_bools(final_state=final_state)
     B, T, N, Dk = q.shape
     Dv = v.shape[-1]
     q32, k32, v32, g32 = (x.float() for x in (q, k, v, g))
@@ -430,6 +431,7 @@ def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, init
 def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str):
     """gated_delta_rule (beta [B, T, N]) or gated_linear_attention (beta None: u = v, no solve)."""
     scale = _check(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)
     B, T, N, Dk = q.shape
     Dv = v.shape[-1]

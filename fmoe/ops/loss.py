@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, tanh, use_triton
-from fmoe.ops.checks import check_float, check_index, check_positive_int, checking
+from fmoe.ops.checks import check_bools, check_float, check_index, check_positive_int, checking
 
 REDUCTIONS = ("mean", "sum")
 
@@ -518,6 +518,7 @@ def cross_entropy(
     _check_labels(labels, N, ignore_index, reduction, logits.device)
     cap = _check_softcap(softcap)
     _check_label_values(labels, V, ignore_index, check)
+    check_bools(inplace_grad=inplace_grad)
     mean = reduction == "mean"
     if not use_triton(impl, logits, labels):
         return cross_entropy_ref(logits, labels, ignore_index, mean, softcap)

@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive_int
+from fmoe.ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_bools, check_positive_int
 
 # ----------------------------------------------------------------------------------------
 # 0. Frequencies and scales (host-side scalars and [F] tables)
@@ -149,8 +149,7 @@ def yarn_correction_range(
     def d(rotations):  # the frequency index that turns `rotations` times over L positions
         return dim * math.log(original_max_positions / (2 * math.pi * rotations)) / (2 * math.log(base))
 
-    if not isinstance(truncate, bool):
-        raise ValueError(f"truncate: expected a bool, got {truncate!r}")
+    check_bools(truncate=truncate)
     low, high = d(beta_fast), d(beta_slow)
     if truncate:
         low, high = math.floor(low), math.ceil(high)
@@ -590,10 +589,7 @@ def apply_rope(
         got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., T, heads, head_dim] (>= 3 dims), got {got}")
     _check_cos_sin(x, cos, sin)
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
-    if not isinstance(inplace, bool):
-        raise ValueError(f"inplace: expected a bool, got {inplace!r}")
+    check_bools(interleaved=interleaved, inplace=inplace)
     grad_mode = torch.is_grad_enabled() and x.requires_grad
     if inplace and grad_mode and x.is_leaf:
         raise ValueError(

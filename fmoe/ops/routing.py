@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_expert_ids, check_float, check_index, check_no_nan, check_positive_int, checking
+from fmoe.ops.checks import check_bools, check_expert_ids, check_experts, check_float, check_index, check_no_nan, check_positive_int, checking
 from fmoe.ops.dispatch import slot_ranks
 from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc, sort_key
 
@@ -450,10 +450,9 @@ def _score_code(score, pre_softmax: bool, normalize: bool) -> int:
     """The kernels' scoring mode of route's score, pre_softmax and normalize (checked)."""
     if score not in ROUTE_SCORES:
         raise ValueError(f"score: expected one of {ROUTE_SCORES}, got {score!r}")
+    check_bools(pre_softmax=pre_softmax, normalize=normalize)
     if score != "softmax" and pre_softmax:
         raise ValueError("pre_softmax: applies to score='softmax' only")
-    if not isinstance(normalize, bool):
-        raise ValueError(f"normalize: expected a bool, got {normalize!r}")
     if score == "softmax" and not normalize:
         raise ValueError("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only (softmax: use pre_softmax=True for unnormalised weights)")
     if score == "sigmoid":
@@ -513,8 +512,9 @@ def route(
         bias_on_logits: sigmoid scoring with an expert_bias only: choose on logits +
             expert_bias instead of sigmoid(logits) + expert_bias (Kolibri-1); the weights are
             the chosen sigmoids all the same.
-        check: raise a ValueError on NaN logits (one device->host sync; skipped under
-            torch.compile). Unchecked NaN rows get NaN weights, never finite ones.
+        check: raise a ValueError on NaN logits or a NaN in expert_bias (a device->host sync
+            each; skipped under torch.compile). Unchecked NaN rows get NaN weights, never
+            finite ones.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:
@@ -527,11 +527,11 @@ def route(
         ([[1, 2]], [0.7311, 0.2689])
     """
     check_float("logits", logits, 2, "[T, E]")
+    check_experts("logits", logits)
     E = logits.shape[1]
     check_positive_int("k", k, 1, E)
     code = _score_code(score, pre_softmax, normalize)
-    if not isinstance(bias_on_logits, bool):
-        raise ValueError(f"bias_on_logits: expected a bool, got {bias_on_logits!r}")
+    check_bools(bias_on_logits=bias_on_logits)
     if bias_on_logits and (score != "sigmoid" or expert_bias is None):
         raise ValueError(f"bias_on_logits: applies to score='sigmoid' with an expert_bias only (got score={score!r}, "
                          f"expert_bias {'given' if expert_bias is not None else 'None'})")
@@ -545,6 +545,9 @@ def route(
     scale = _check_scale(scale)
     if check:
         check_no_nan("logits", logits)
+        if expert_bias is not None and checking() and expert_bias.isnan().any():
+            raise ValueError(f"expert_bias: contains NaN at experts {expert_bias.isnan().nonzero().flatten().tolist()}; a NaN bias "
+                             "cannot rank the experts")
 
     if use_triton(impl, logits):
         weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)

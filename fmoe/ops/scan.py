@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_float, check_rows_and_state
 from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
 from fmoe.ops.packed import sequence_ids
 
@@ -276,6 +276,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
     Example: y = selective_scan(x * dt, dt, -A_log.exp(), b, c, cu_seqlens) + D * x
     """
     _check(u, dt, A, b, c, cu_seqlens, initial_state)
+    check_bools(final_state=final_state)
     B, T, C = u.shape
     N = A.shape[1]
     if use_triton(impl, u) and T > 0:
@@ -291,6 +292,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
 def selective_scan_loop(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False):
     """selective_scan token by token (gated_linear_attention_loop's form): its definition."""
     _check(u, dt, A, b, c, cu_seqlens, initial_state)
+    check_bools(final_state=final_state)
     state = None if initial_state is None else initial_state.float()[..., None]
     out = gated_linear_attention_loop(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state)
     return (out[0][..., 0], out[1][..., 0]) if final_state else out[..., 0]

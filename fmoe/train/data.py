@@ -101,7 +101,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from fmoe.ops.checks import check_positive_int
+from fmoe.ops.checks import check_bools, check_positive_int
 from fmoe.ops.packed import mtp_targets
 
 EOS = 256
@@ -153,12 +153,6 @@ def decode_text(ids: Union[torch.Tensor, Sequence[int]]) -> str:
 # ----------------------------------------------------------------------------------------
 # 2. Datasets
 # ----------------------------------------------------------------------------------------
-
-
-def _check_bools(**flags) -> None:
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}: expected a bool, got {flag!r}")
 
 
 class TokenDataset:
@@ -635,7 +629,7 @@ class Sampler:
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
         self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
-        _check_bools(shuffle=shuffle, whole_documents=whole_documents)
+        check_bools(shuffle=shuffle, whole_documents=whole_documents)
         self.shuffle, self.whole_documents = shuffle, whole_documents
         self.epoch, self.index, self.offset = 0, 0, 0
         self._order = self._epoch_order(0)
@@ -995,7 +989,7 @@ class BlendSampler:
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
         self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
-        _check_bools(shuffle=shuffle, whole_documents=whole_documents)
+        check_bools(shuffle=shuffle, whole_documents=whole_documents)
         self.shuffle, self.whole_documents = shuffle, whole_documents
         self.samplers = self._fresh_samplers()
         self.batches = [0] * len(blend.names)

@@ -257,6 +257,22 @@ def test_z_loss_triton_matches_reference(shape, dtype, device):
     torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_z_loss_rows_of_minus_infinity(impl, device):
+    """A row of -inf (a padding row filled so) has logsumexp -inf: z_loss inf on both paths
+    (the kernel gave NaN); under a mask that leaves it out it adds nothing, its gradient
+    included (the logsumexp's backward at that row was NaN, times the mask's 0)."""
+    inf = float("inf")
+    z = torch.tensor([[-inf, -inf], [0.0, math.log(3.0)]], device=device)
+    assert F.z_loss(z, impl=impl).item() == inf
+    x = z.clone().requires_grad_()
+    loss = F.z_loss(x, mask=torch.tensor([False, True], device=device), impl=impl)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.log(4.0) ** 2)
+    assert x.grad[0].eq(0).all(), x.grad
+    torch.testing.assert_close(x.grad[1], 2 * math.log(4.0) * torch.tensor([0.25, 0.75], device=device))
+
+
 def test_z_loss_bad_inputs():
     _raises("logits: expected a 2-D", F.z_loss, torch.randn(8))
     _raises("logits: z_loss is a mean over tokens", F.z_loss, torch.randn(0, 8))
@@ -355,6 +371,10 @@ def test_masked_losses_of_nothing_are_zero_and_bad_masks_are_refused():
         _raises(r"mask: expected None or a bool tensor \[5\]", fn, logits, mask=bad)
     _raises(r"mask: expected None or a bool tensor \[5\]", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 5]), k=2,
             mask=torch.ones(6, dtype=torch.bool))
+    # mask_tokens, which the MoE layer calls with its token_mask: before, torch's errors from inside
+    for bad in (torch.ones(5, dtype=torch.int64), torch.ones(2, dtype=torch.bool)):
+        _raises(r"mask: expected None or a bool tensor \[5\]", mask_tokens, scores, experts, bad)
+    _raises(r"mask: expected a bool tensor \[T\]", mask_tokens, scores, experts, None)
 
 
 # ---------------------------------------------------------------------------- expert bias

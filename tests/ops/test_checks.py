@@ -269,3 +269,44 @@ def test_moe_step_on_the_kernels_reads_nothing_on_the_host(device):
     )
     assert reads.count == 0, reads.sites
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params.values())
+
+
+def _flag_calls():
+    """(flag name, a call of an op with that flag set to the given value)."""
+    from fmoe.ops.delta import gated_delta_rule_loop, gated_linear_attention_loop
+    from fmoe.ops.scan import selective_scan_loop
+
+    logits = torch.randn(3, 4)
+    q, g, beta = torch.randn(1, 5, 2, 4), -torch.rand(1, 5, 2), torch.rand(1, 5, 2)
+    u, A, bc = torch.randn(1, 5, 3), -torch.rand(3, 2), torch.randn(1, 5, 2)
+    x, cos, sin = torch.randn(4, 2, 8), torch.randn(4, 4), torch.randn(4, 4)
+    bias, counts = torch.zeros(4), torch.tensor([10, 2, 2, 2])
+    return [
+        ("pre_softmax", lambda v: F.route(logits, 2, pre_softmax=v)),
+        ("normalize", lambda v: F.route(logits, 2, score="sigmoid", normalize=v)),
+        ("bias_on_logits", lambda v: F.route(logits, 2, score="sigmoid", expert_bias=bias, bias_on_logits=v)),
+        ("return_counts", lambda v: F.aux_scores(logits, 2, return_counts=v)),
+        ("center", lambda v: F.update_expert_bias(bias, counts, 1e-3, center=v)),
+        ("proportional", lambda v: F.update_expert_bias(bias, counts, 1e-3, proportional=v)),
+        ("final_state", lambda v: F.gated_delta_rule(q, q, q, g, beta, final_state=v)),
+        ("final_state", lambda v: gated_delta_rule_loop(q, q, q, g, beta, final_state=v)),
+        ("final_state", lambda v: F.gated_linear_attention(q, q, q, g, final_state=v)),
+        ("final_state", lambda v: gated_linear_attention_loop(q, q, q, g, final_state=v)),
+        ("final_state", lambda v: F.selective_scan(u, u.abs(), A, bc, bc, final_state=v)),
+        ("final_state", lambda v: selective_scan_loop(u, u.abs(), A, bc, bc, final_state=v)),
+        ("inplace_grad", lambda v: F.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), inplace_grad=v)),
+        ("interleaved", lambda v: F.apply_rope(x, cos, sin, interleaved=v)),
+        ("inplace", lambda v: F.apply_rope(x, cos, sin, inplace=v)),
+        ("truncate", lambda v: F.yarn_correction_range(8, base=10000.0, original_max_positions=64, truncate=v)),
+    ]
+
+
+def test_flags_take_bools_only():
+    """A flag read from a config as the string "False" (truthy) or as 0 / 1 is refused by
+    name; before, route(pre_softmax="False") scored as pre_softmax=True and
+    update_expert_bias(center="False") centred its step, with no error."""
+    for name, call in _flag_calls():
+        call(False), call(True)  # the bools themselves run
+        for bad in ("False", 1, None):
+            with pytest.raises(ValueError, match=f"^{name}: expected a bool, got {bad!r}"):
+                call(bad)

@@ -412,6 +412,13 @@ def test_bad_inputs():
     _raises("k: group-limited routing .* needs k >= topk_groups = 3", F.route, x, 2, n_groups=4, topk_groups=3)
     _raises("k: the 1 kept groups of 2 experts hold 2 experts, fewer than k = 3", F.route, x, 3, n_groups=4, topk_groups=1)
     _raises(r"expert_bias: expected a float32 tensor of shape \(8,\)", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(7))
+    # a NaN bias ranked nothing: every token went to experts 0..k-1 with finite weights
+    nan_bias = torch.zeros(8).index_fill(0, torch.tensor([1, 5]), float("nan"))
+    for score in ("sigmoid", "softmax"):
+        _raises(r"expert_bias: contains NaN at experts \[1, 5\]", F.route, x, 2, score=score, expert_bias=nan_bias)
+    F.route(x, 2, score="sigmoid", expert_bias=nan_bias, check=False)  # unchecked: the caller's choice
+    # no expert: named as such (it read "k: expected 1..0")
+    _raises(r"logits: expected at least one expert \(E >= 1\), got shape \(5, 0\)", F.route, x[:, :0], 1)
     _raises(r"expert_bias: expected a float32 tensor", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(8, dtype=torch.bfloat16))
     _raises("scale: expected a positive finite number", F.route, x, 2, scale=0.0)
     bias = torch.zeros(8)
