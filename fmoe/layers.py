@@ -281,6 +281,9 @@ class MoEConfig:
             route(torch.zeros(0, self.n_choices), self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
                   topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize,
                   check=False, impl="torch")
+        elif self.n_choices < 2:  # sparsemixer_route refused it at moe()'s first call, naming its logits
+            raise ValueError(f"n_experts: sparsemixer routing chooses 2 experts per token, expected n_experts + zero_experts >= 2, "
+                             f"got {self.n_choices}")
 
     @property
     def n_choices(self) -> int:
@@ -363,6 +366,9 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     unknown = sorted(set(params) - _MOE_PARAMS)
     if unknown:
         raise ValueError(f"params: unknown MoE parameters {unknown}; expected names among {sorted(_MOE_PARAMS)}")
+    for name, w in params.items():
+        if w is not None and not isinstance(w, torch.Tensor):
+            raise ValueError(f"params['{name}']: expected a tensor or None, got {type(w).__name__}")
     H, E = x_TH.shape[1], cfg.n_choices
     what = "cfg.n_experts" if not cfg.zero_experts else "cfg.n_experts + cfg.zero_experts"
     router = params.get("router")

@@ -267,6 +267,9 @@ def test_moe_bad_inputs(device):
         moe(x, params, dataclasses.asdict(cfg))
     with pytest.raises(ValueError, match=r"params: expected a dict of tensors \(router, w_gate, w_up, w_down, ...\), got NoneType"):
         moe(x, None, cfg)
+    for name in ("router", "router_bias", "expert_scale"):  # an AttributeError ('list' has no shape) before
+        with pytest.raises(ValueError, match=rf"params\['{name}'\]: expected a tensor or None, got list"):
+            moe(x, dict(params, **{name: [0.0] * 4}), cfg)
     with pytest.raises(ValueError, match=r"params\['router'\]: expected float32 \[4, 32\]"):
         moe(x, dict(params, router=torch.randn(4, H + 1, device=device)), cfg)
     with pytest.raises(ValueError, match=r"params\['w_gate'\]: expected \[4, 32, F\]"):
@@ -552,6 +555,10 @@ def test_moe_config_refuses_at_construction_what_moe_would_refuse_at_its_first_c
                      (dict(n_groups=3, topk_groups=1), "n_groups: the 8 experts must split evenly into groups")):
         with pytest.raises(ValueError, match=re.escape(said)):
             MoEConfig(n_experts=8, **{"k": 2, **kw})
+    with pytest.raises(ValueError, match=re.escape("n_experts: sparsemixer routing chooses 2 experts per token, expected n_experts + "
+                                                   "zero_experts >= 2, got 1")):
+        MoEConfig(n_experts=1, k=2, score="sparsemixer")
+    assert MoEConfig(n_experts=1, k=2, zero_experts=1, score="sparsemixer").n_choices == 2
     assert MoEConfig(n_experts=8, k=10, zero_experts=2).n_choices == 10  # k counts the zero experts' choices too
 
 
