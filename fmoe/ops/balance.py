@@ -353,7 +353,9 @@ def load_balancing_loss(
     Args:
         scores: [T, E] from aux_scores (differentiable).
         counts: [E] slots per expert (int or float).
-        k: slots per token. n_tokens: token count the counts cover (int or 0-D tensor).
+        k: slots per token. n_tokens: token count the counts cover (int or 0-D tensor);
+            0 (every token masked: fmoe.ops.balance.mask_tokens, n_tokens = mask.sum())
+            gives 0 with a zero gradient, as z_loss's mean over no token does.
     Returns: 0-D float32 tensor.
     """
     _check_scores_counts(scores, counts)
@@ -363,10 +365,12 @@ def load_balancing_loss(
             raise ValueError(f"n_tokens: expected an int or a 1-element tensor, got shape {tuple(n_tokens.shape)}")
         n = n_tokens.reshape(()).to(device=scores.device, dtype=torch.float32)
     else:
-        n = float(check_positive_int("n_tokens", n_tokens))
+        n = float(check_positive_int("n_tokens", n_tokens, 0))
     E = scores.shape[1]
-    score_sum_E = scores.float().sum(dim=0)
-    return (score_sum_E * counts.float()).sum() * (E / k) / (n * n)
+    weighted = (scores.float().sum(dim=0) * counts.float()).sum() * (E / k)
+    if not isinstance(n, torch.Tensor):
+        return weighted / (n * n) if n else weighted * 0.0
+    return torch.where(n > 0, weighted / n.clamp(min=1).square(), 0.0)  # no 0/0 (a NaN), forward or backward
 
 
 def mask_tokens(scores: torch.Tensor, experts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

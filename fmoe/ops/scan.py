@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_float, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_float, check_positive_int, check_rows_and_state
 from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
 from fmoe.ops.packed import sequence_ids
 
@@ -277,6 +277,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
     """
     _check(u, dt, A, b, c, cu_seqlens, initial_state)
     check_bools(final_state=final_state)
+    check_positive_int("chunk_size", chunk_size)  # the torch path's, checked on every path (CUDA's "auto" runs the kernel)
     B, T, C = u.shape
     N = A.shape[1]
     if use_triton(impl, u) and T > 0:

@@ -123,6 +123,9 @@ def test_the_kernels_pass_opcheck_and_compile():
     (lambda a: dict(a, cu_seqlens=torch.tensor([], dtype=torch.long)), r"cu_seqlens: expected at least 2 entries \[0, ..., T\], got 0"),
     (lambda a: dict(a, initial_state=torch.zeros(1, 4, 2)), r"initial_state: expected \[1, 4, 3\]"),
     (lambda a: dict(a, impl="cuda"), r"impl: expected one of \('auto', 'triton', 'torch'\), got 'cuda'"),
+    # the torch path's chunk, checked on the kernels' path too (CUDA's "auto" took '8' and 0)
+    (lambda a: dict(a, chunk_size=0, impl="triton"), r"chunk_size: expected >= 1, got 0"),
+    (lambda a: dict(a, chunk_size="8", impl="triton"), r"chunk_size: expected an int, got '8'"),
 ])
 def test_bad_arguments_are_named(change, match):
     u, dt, A, b, c = _inputs(1, 6, 4, 3)
