@@ -3510,7 +3510,7 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
     if split is not None:  # context parallel: the scan across the split (fmoe.parallel.selective_scan_cp)
         o = split.selective_scan(u[None], dt[None], A, bk[None], cq[None], cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     else:  # the scan kernels on CUDA (fmoe.ops.selective_scan), its chunked form elsewhere
-        view = lambda t: t.reshape(B, T // B, -1)  # noqa: E731
+        view = lambda t: t.reshape(B, T // B, t.shape[-1])  # noqa: E731  (not -1: T = 0 leaves it undefined)
         o = selective_scan(view(u), view(dt), A, view(bk), view(cq), cu, chunk_size=cfg.chunk_size, impl=cfg.impl,
                            initial_state=None if states is None else states.state[..., 0], final_state=states is not None)
         if states is not None:
@@ -3604,11 +3604,15 @@ def _check_linear_attention(x, params, cfg: LinearAttentionConfig) -> None:
     check_float("x", x, 2, "[T, H]")
     if not isinstance(cfg, LinearAttentionConfig):
         raise ValueError(f"cfg: expected a LinearAttentionConfig, got {type(cfg).__name__}")
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params: expected a dict of tensors (linear_attention_shapes' names), got {type(params).__name__}")
     for name, shape in linear_attention_shapes(x.shape[1], cfg).items():
         p = params.get(name)
         if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape:
             got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
             raise ValueError(f"params[{name!r}]: expected a tensor {list(shape)}, got {got}")
+        if name.startswith("w") and p.dtype != x.dtype:  # the projections' matrices multiply x's dtype
+            raise ValueError(f"params[{name!r}]: expected x's dtype {x.dtype}, got {p.dtype}")
     decay = params.get("decay")
     if cfg.kind == "lightning" and (not isinstance(decay, torch.Tensor) or tuple(decay.shape) != (cfg.n_v_heads,)):
         got = list(decay.shape) if isinstance(decay, torch.Tensor) else type(decay).__name__
@@ -3695,6 +3699,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     states = getattr(ctx, "linear_states", None)
     if states is None and getattr(ctx, "cu_seqlens", None) is None:
         raise ValueError("ctx: linear attention needs the micro-batch's cu_seqlens (build the context with attention_context) or linear_states")
+    cos = getattr(ctx, "cos", None)
+    if states is None and isinstance(cos, torch.Tensor) and cos.shape[0] != x.shape[0]:  # its cu_seqlens describe other tokens
+        raise ValueError(f"ctx: built for {cos.shape[0]} tokens (its RoPE tables' rows), x has {x.shape[0]}")
     split = getattr(ctx, "linear_cp", None) if states is None else None
     if states is None and split is None and getattr(ctx, "gather_kv", None) is not None:
         raise ValueError("ctx: a context-parallel context (gather_kv) without linear_cp: linear attention needs the rule's exchange across the split "
@@ -3702,6 +3709,13 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     for name, fn, doc in (("heads_mean", heads_mean, "mean"), ("heads_sum", heads_sum, "sum")):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name}: expected a function of a [T, n] tensor (fmoe.parallel.HeadShard.{doc}) or None, got {type(fn).__name__}")
+    if states is not None:
+        if not isinstance(states, LinearStates) or not all(isinstance(t, torch.Tensor) for t in (states.conv, states.state)):
+            got = type(states).__name__ if not isinstance(states, LinearStates) else f"conv {type(states.conv).__name__}, state {type(states.state).__name__}"
+            raise ValueError(f"ctx.linear_states: expected a LinearStates of conv and state tensors (fmoe.model.KVCache's), got {got}")
+        tokens = states.tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= x.shape[0]):
+            raise ValueError(f"ctx.linear_states.tokens: expected None or an int in 0..{x.shape[0]} (x's rows before decoding's padding), got {tokens!r}")
     if states is not None and states.tokens is not None and states.tokens < x.shape[0]:  # decoding's padding: outputs 0
         real = dataclasses.replace(states, tokens=None)
         y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real), heads_mean=heads_mean,

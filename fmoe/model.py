@@ -1179,7 +1179,10 @@ class TransformerConfig:
             layers = getattr(self, name)
             if layers is None:
                 continue
-            layers = tuple(layers)
+            try:
+                layers = tuple(layers)
+            except TypeError:  # one int, not a list of them
+                raise ValueError(f"{name}: expected distinct block indices in 0..{self.n_layers - 1}, got {layers!r}") from None
             if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
                 raise ValueError(f"{name}: expected distinct block indices in 0..{self.n_layers - 1}, got {getattr(self, name)!r}")
             object.__setattr__(self, name, tuple(sorted(layers)))
@@ -1609,7 +1612,8 @@ class TransformerConfig:
                                          impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                          full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
                                          dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
-                                         dt_rank=(self.linear_dt_rank or -(-self.hidden // 16)) if self.linear_kind == "mamba1" else self.linear_dt_rank,
+                                         dt_rank=(-(-self.hidden // 16) if self.linear_dt_rank is None else self.linear_dt_rank)
+                                         if self.linear_kind == "mamba1" else self.linear_dt_rank,
                                          dt_bc_norm=self.linear_dt_bc_norm, fp8=self.fp8 if fp8 is None else fp8)
 
     def _check_scales_norms_and_gates(self) -> None:
@@ -3003,6 +3007,11 @@ class Transformer(nn.Module):
         if (cache.window_layers, cache.window) != (rings, KVCache.ring_length(self.cfg) if rings else None):
             raise ValueError(f"cache: made for sliding-window (chunked) layers {list(cache.window_layers)} of window (chunk) {cache.window}, the model's differ "
                              "(make the cache with model.kv_cache)")
+        linear = tuple(i for i in range(self.cfg.n_layers) if self.cfg.is_linear(i))
+        full = tuple(i for i in range(self.cfg.n_layers) if i not in rings and self.cfg.attends(i))
+        if (cache.linear_layers, cache.full_layers) != (linear, full):  # another model's states: a layer would read none, or another's
+            raise ValueError(f"cache: made for linear-attention layers {list(cache.linear_layers)} and attention layers {list(cache.full_layers)}, "
+                             f"the model's are {list(linear)} and {list(full)} (make the cache with model.kv_cache)")
         if self.cfg.longrope_switches and cache.tokens is None:
             raise ValueError("cache: made without the token ids that the model's LongRoPE recomputes a sequence from past its original positions "
                              "(make the cache with model.kv_cache)")

@@ -543,3 +543,33 @@ def test_argument_checks():
     unequal = LinearStates(torch.zeros(1, 3, 40), torch.zeros(2, 4, 8, 6))  # one sequence's conv, two sequences' states
     with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[1, 3, 40\] and state \[2, 4, 8, 6\] do not fit 5 tokens"):
         linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=unequal))
+    # x's rows against the context's tokens (its cu_seqlens would describe other tokens: 4 of 5 ran, 6 an IndexError)
+    for T in (4, 6):
+        with pytest.raises(ValueError, match=rf"ctx: built for 5 tokens \(its RoPE tables' rows\), x has {T}"):
+            linear_attention(torch.randn(T, H), p, CFG, ctx)
+    # params: a mapping of tensors in x's dtype (torch's matmul error, or an AttributeError, before)
+    with pytest.raises(ValueError, match=r"params\['wq'\]: expected x's dtype torch.float32, got torch.bfloat16"):
+        linear_attention(x, {n: t.detach().bfloat16() for n, t in p.items()}, CFG, ctx)
+    with pytest.raises(ValueError, match=r"params: expected a dict of tensors \(linear_attention_shapes' names\), got list"):
+        linear_attention(x, list(p.values()), CFG, ctx)
+    # decoding's states: a LinearStates of tensors, tokens within x's rows (a TypeError, an AttributeError or silence before)
+    good = dict(conv=torch.zeros(1, 3, 40), state=torch.zeros(1, 4, 8, 6))
+    for states, said in ((LinearStates(**good, tokens="2"), r"ctx.linear_states.tokens: expected None or an int in 0..5 .*, got '2'"),
+                         (LinearStates(**good, tokens=-1), r"ctx.linear_states.tokens: .* got -1"),
+                         (LinearStates(**good, tokens=7), r"ctx.linear_states.tokens: .* got 7"),
+                         (LinearStates(**dict(good, conv=None)), r"ctx.linear_states: expected a LinearStates of conv and state tensors "
+                                                                  r"\(fmoe.model.KVCache's\), got conv NoneType, state Tensor"),
+                         (tuple(good.values()), r"ctx.linear_states: expected a LinearStates .*, got tuple")):
+        with pytest.raises(ValueError, match=said):
+            linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=states))
+
+
+@pytest.mark.parametrize("cfg", [CFG, MAMBA, MAMBA1, SHORT, LIGHT, KDA], ids=lambda c: c.kind)
+def test_no_token(cfg):
+    """T = 0 (a rank's empty share, an empty micro-batch): an empty output, as every kind gives
+    (Mamba-1's reshape of 0 elements into [1, 0, -1] raised before)."""
+    p = _params(cfg)
+    y, _ = linear_attention(torch.randn(0, H), p, cfg, _ctx(torch.tensor([0, 0], dtype=torch.int32), 0))
+    assert y.shape == (0, H)
+    y.sum().backward()
+    assert all(t.grad is None or not t.grad.any() for t in p.values() if t.requires_grad)

@@ -658,7 +658,11 @@ def test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start():
                           (dict(linear_dt_bc_norm="none", linear_dt_rank=4, linear_kind="mamba2"),
                            r"linear_dt_rank: a knob of Mamba-1's mixer, needs linear_layers and linear_kind='mamba1'"),
                           (dict(linear_dt_bc_norm="layer"), r"dt_bc_norm: expected one of \('none', 'rms', 'rms_unit'\)"),
-                          (dict(linear_k_heads=2), r"n_k_heads / v_head_dim: Mamba-1's B and C are one group")):
+                          (dict(linear_k_heads=2), r"n_k_heads / v_head_dim: Mamba-1's B and C are one group"),
+                          # only None is Mamba's "auto" rank (0 and False were taken as it)
+                          (dict(linear_dt_rank=0), r"linear_dt_rank: expected an int >= 1 \(the rank of Mamba-1's dt projection\), got 0"),
+                          (dict(linear_dt_rank=False), r"linear_dt_rank: expected an int >= 1 .*, got False"),
+                          (dict(linear_layers=0), r"linear_layers: expected distinct block indices in 0..2, got 0")):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(cfg, **change)
 
@@ -1202,7 +1206,7 @@ def test_bad_configs():
                       (-1, "expected >= 0, got -1")):  # TypeErrors, or True taken as one MTP module
         with pytest.raises(ValueError, match=f"mtp_depth: {said}"):
             TransformerConfig(mtp_depth=bad)
-    with pytest.raises(ValueError, match="impl: expected one of auto, triton, torch, got 'bogus'"):  # not at the first forward
+    with pytest.raises(ValueError, match="impl: expected one of auto, triton, torch, flex, got 'bogus'"):  # not at the first forward
         TransformerConfig(impl="bogus")
     for bad in (1.0, True, "1", -5):  # 1.0 and True drew other weights than seed 1
         with pytest.raises(ValueError, match="seed: expected"):
@@ -2610,6 +2614,12 @@ def test_decode_bad_inputs():
         sliding.decode(ids, cache)
     with pytest.raises(ValueError, match=r"cache: made for sliding-window \(chunked\) layers \[1\] of window \(chunk\) 3, the model's differ"):
         sliding.decode(ids, KVCache(dataclasses.replace(sliding.cfg, window=3), 4))  # same layers, another window
+    # a cache of other linear-attention layers: a layer read no states (an error about context parallel) or None's shape
+    hybrid = _sharp(dataclasses.replace(TINY, linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6))
+    for other, said in ((TINY, r"linear-attention layers \[\] and attention layers \[0, 1, 2\], the model's are \[0\] and \[1, 2\]"),
+                        (dataclasses.replace(hybrid.cfg, linear_layers=(0, 1)), r"linear-attention layers \[0, 1\] and attention layers \[2\], the model's are \[0\] and \[1, 2\]")):
+        with pytest.raises(ValueError, match=r"cache: made for " + said + r" \(make the cache with model.kv_cache\)"):
+            hybrid.decode(ids, KVCache(other, 4))
     ring = sliding.kv_cache(4)
     with torch.no_grad():
         first = sliding.decode(ids, ring)

@@ -341,7 +341,7 @@ BAD_KNOBS = [
     (["--model.n_groups=x"], "--model.n_groups: expected an int or None, got 'x'"),
     (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
     (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
-    (["--model.impl=bogus"], "model knobs: impl: expected one of auto, triton, torch, got 'bogus'"),  # was a traceback at the first forward
+    (["--model.impl=bogus"], "model knobs: impl: expected one of auto, triton, torch, flex, got 'bogus'"),  # was a traceback at the first forward
     (["--model.fp8_layers=1"], "model knobs: fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True"),
     (["--model.fp8_fast_accum=true"], "model knobs: fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True"),
     (["--model.score=softmax"], "--model.score=softmax: the model's expert_bias (on by default, for sigmoid routing) would shift "
