@@ -330,7 +330,8 @@ def clip_grad_norm(
     Args: as grad_norm; max_norm: a positive number. copies: parameters whose gradients
         are scaled too but not counted in the norm: copies of parameters counted elsewhere
         (a pipeline's tied embedding on its last stage, whose gradient equals the first
-        stage's). impl: how the gradients are scaled (scale_): "auto" (one Triton launch
+        stage's); skipped in parameters where they also appear there, as param_norm and
+        zero_grad_count skip them. impl: how the gradients are scaled (scale_): "auto" (one Triton launch
         per dtype on CUDA), "triton" or "torch"; the bits are the same. foreach=False
         scales them one by one.
     Returns: 0-D float32 tensor, the norm before clipping, identical on every rank.
@@ -346,8 +347,8 @@ def clip_grad_norm(
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     p = _check_norm_type(norm_type)
-    params = _as_param_list(parameters)
-    copies = _as_param_list(copies)
+    copies = list({id(c): c for c in _as_param_list(copies)}.values())  # each scaled once
+    params = _without_copies(_as_param_list(parameters), copies)  # a copy also given in parameters: not counted, scaled once
     pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
     grads = [q.grad for q in params]

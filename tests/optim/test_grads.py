@@ -210,6 +210,19 @@ def test_clip_factor_is_the_clips_scale(max_norm):
     _raises("norm: expected dtype float32, bfloat16 or float16, got torch.int64", clip_factor, torch.tensor(5), 1.0)
 
 
+def test_a_copy_also_in_parameters_is_scaled_once_and_not_counted():
+    """copies given in parameters too (a last pipeline stage's parameters with its tied
+    embedding): the norm leaves them out and their gradient is scaled once, as param_norm and
+    zero_grad_count read the same pair; before, the copy was counted and scaled twice."""
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 2.0])
+    norm = clip_grad_norm([a, b], 1.0, copies=[a, a])
+    assert float(norm) == 2.0  # b's alone
+    torch.testing.assert_close(a.grad, torch.tensor([3.0, 4.0]) * (1.0 / (2.0 + 1e-6)))
+    torch.testing.assert_close(b.grad, torch.tensor([0.0, 1.0]))
+    assert float(param_norm([a, b], copies=[a])) == 0.0 and int(zero_grad_count([a, b], copies=[a])) == 1
+
+
 def test_clip_grad_norm_below_max_leaves_grads():
     params = _params_with_grads()
     grads = [p.grad.clone() for p in params[:2]]
