@@ -36,7 +36,7 @@ import bisect
 import math
 import operator
 import re
-from decimal import Decimal
+from decimal import Decimal, localcontext
 from numbers import Real
 from typing import Sequence, Union
 
@@ -65,10 +65,9 @@ def _check_count(name: str, value) -> int:
 
 
 def _check_nonnegative(name: str, value) -> None:
-    try:
-        ok = not isinstance(value, bool) and value >= 0  # False for NaN
-    except TypeError:
-        ok = False
+    # a real number (numpy's too), not a bool, a tensor (a float32 tensor's step gave a tensor
+    # lr, rounded to float32) or a Decimal (a TypeError inside)
+    ok = isinstance(value, Real) and not isinstance(value, bool) and value >= 0  # False for NaN
     if not ok:
         raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
 
@@ -187,8 +186,8 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, **lr_at_kwargs) -> torch.opti
 # ---------------------------------------------------------------------------- batch size
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
-_THRESHOLD = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([KMBT]?)")
-_BATCH = re.compile(r"\d+")
+_THRESHOLD = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([KMBT]?)", re.ASCII)  # ASCII digits: Decimal and int take other scripts' too
+_BATCH = re.compile(r"\d+", re.ASCII)
 
 BatchSchedule = Union[str, Sequence[Sequence[int]]]
 
@@ -228,7 +227,9 @@ def parse_batch_schedule(schedule: str) -> list[tuple[int, int]]:
                 f"schedule: cannot parse {item!r}, expected THRESHOLD:BATCH with THRESHOLD like 0, 500K, "
                 f"1.5M (suffixes K M B T) and BATCH a positive integer"
             )
-        tokens = Decimal(match[1]) * _SUFFIX[match[2]]
+        with localcontext() as exact:  # the product exact (the default 28 digits rounded a long threshold)
+            exact.prec = len(threshold) + 16
+            tokens = Decimal(match[1]) * _SUFFIX[match[2]]
         if tokens != tokens.to_integral_value():
             raise ValueError(f"schedule: threshold {threshold!r} is not a whole number of tokens")
         pairs.append((int(tokens), int(batch)))

@@ -1,7 +1,9 @@
 """lr_at (every style and edge), the LambdaLR adapter, batch-size schedules."""
 
+import decimal
 import math
 
+import numpy
 import pytest
 import torch
 
@@ -189,6 +191,10 @@ def test_lr_bad_arguments():
     _raises("step: expected a number >= 0", lr_at, -1, **kw)
     _raises("step:", lr_at, float("nan"), **kw)
     _raises("step:", lr_at, "3", **kw)
+    # a tensor step (an optimizer state's float32 step) gave a tensor lr in float32; a Decimal a TypeError inside
+    for bad in (torch.tensor(5), torch.tensor(50.0), decimal.Decimal(5), numpy.True_):
+        _raises(r"step: expected a number >= 0, got", lr_at, bad, **kw)
+    assert lr_at(numpy.int64(50), **kw) == lr_at(50, **kw) and lr_at(numpy.float32(5.0), **kw) == 0.5  # numpy's numbers are numbers
     _raises(r"wsd_decay: expected at most total - warmup = 90, got 91", lr_at, 5, **kw, style="wsd", wsd_decay=91)
     _raises("wsd_decay:", lr_at, 5, **kw, wsd_decay=-1)
     assert lr_at(10, **kw, style="wsd", wsd_decay=90) == 1.0  # the whole span is allowed
@@ -286,6 +292,12 @@ def test_batch_schedule_errors():
     _raises("schedule: cannot parse", batch_size_at, 0, "0:-1")
     _raises("schedule: cannot parse", batch_size_at, 0, "0:3.5")
     _raises("schedule: threshold '1.0000005K' is not a whole number", batch_size_at, 0, "0:2 1.0000005K:3")
+    # exact however long (28 digits were rounded: this was 1000 tokens, the other ...790) and ASCII digits only
+    _raises("schedule: threshold '1.00000000000000000000000000001K' is not a whole number", parse_batch_schedule,
+            "0:1 1.00000000000000000000000000001K:2")
+    assert parse_batch_schedule("0:1 12345678901234567890123456789:2")[1] == (12345678901234567890123456789, 2)
+    _raises("schedule: cannot parse '\u0661\u0660:2'", parse_batch_schedule, "0:1 \u0661\u0660:2")
+    _raises("schedule: cannot parse '5:\u0663'", parse_batch_schedule, "0:1 5:\u0663")
     # the list form is checked the same way
     _raises("schedule: expected THRESHOLD:BATCH pairs", batch_size_at, 0, [])
     _raises("schedule: the first threshold must be 0", batch_size_at, 0, [(1, 2)])
