@@ -2521,13 +2521,15 @@ def _expand(cfg: TransformerConfig, field: str) -> int:
 def _bamba(hf: dict) -> dict:
     """Bamba (bamba, dense; Bamba-9B): Llama's blocks (the MLP feed_forward after its norm
     pre_ff_layernorm) with Mamba-2 mixers (_mamba2_fields) in every layer but those
-    attn_layer_indices names, whose attention rotates the first half of each head's channels
-    (transformers' partial_rotary_factor 0.5)."""
+    attn_layer_indices names, whose attention rotates the first partial_rotary_factor of each
+    head's channels (rope_parameters', else the top level's; transformers' default 0.5)."""
     n = hf["num_hidden_layers"]
     attention = set(hf.get("attn_layer_indices") or ())
     out = _dense(hf)
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Bamba's attention here")
-    return dict(out, rope_dim=out["head_dim"] // 2, **_mamba2_fields(hf, tuple(i for i in range(n) if i not in attention)))
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+    return dict(out, rope_dim=_partial_rope(dict(partial_rotary_factor=factor), out["head_dim"]),
+                **_mamba2_fields(hf, tuple(i for i in range(n) if i not in attention)))
 
 
 def _falcon_h1(hf: dict) -> dict:
@@ -5261,7 +5263,10 @@ def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
     experts as stacks (Family.stacks_too, stacks_by_shape); hf_dense, the dense MLP's name
     (Family.dense_too); hf_hyper_head, the head's hyper-connection prefix (Family.hyper_head_too);
     hf_zero_rows, whether it holds the zero experts' unused rows
-    (Family.zero_expert_rows: a released LongCat-Flash folder does not, transformers' does).
+    (Family.zero_expert_rows: a released LongCat-Flash folder does not, transformers' does);
+    hf_dtypes, the dtype of each float tensor stored in another than config.json's (a bfloat16
+    folder's router weights, which transformers keeps in float32, its A_log or sinks), which
+    the export writes them in whatever dtype the rest is written in.
     load_weights records it (from the file list it reads anyway); examples/export_hf.py calls
     it for a run started from the folder.
     Returns the family as the folder stores it."""
@@ -5275,7 +5280,33 @@ def _folder_layout(model: Transformer, files: dict[str, Path], model_type: str) 
     model.hf_dense = family.dense
     model.hf_hyper_head = family.hyper[2]
     model.hf_zero_rows = any(key in files for key in zero_expert_keys(family, model.cfg))
+    model.hf_dtypes = _stored_dtypes(files)
     return family
+
+
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def _stored_dtypes(files: dict[str, Path]) -> dict[str, torch.dtype]:
+    """HF key -> the dtype a safetensors file stores it in, for the plain float tensors stored
+    in another dtype than the folder's config.json names (config_dtype; the files' headers
+    alone are read; quantized tensors, written back dequantised, are left out)."""
+    from safetensors import safe_open
+
+    config = next(iter(files.values())).parent / "config.json" if files else None
+    folder = config_dtype(_config_dict(config)) if config is not None and config.is_file() else None
+
+    by_file: dict[Path, list[str]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, []).append(key)
+    out = {}
+    for file, keys in by_file.items():
+        with safe_open(file, "pt") as f:
+            for key in keys:
+                dtype = _FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
+                if dtype is not None and dtype != folder:
+                    out[key] = dtype
+    return out
 
 
 def load_weights(model: Transformer, path, *, model_type: str, strict: bool = True) -> int:
@@ -5401,7 +5432,8 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                                  f"them (tie_word_embeddings); transformers then reads the head untied: "
                                  f"from_pretrained(path, tie_embeddings=False) does too, strict=False ties it to the embedding")
         for key, rate in constant_tensors(family, model.cfg, {"block_size": 1}).items():  # the lightning decay, xIELU's constants a folder holds
-            if key.endswith(".slope_rate") and key in files and not torch.allclose(open_slice(key)[:].float(), rate, rtol=1e-5, atol=0.0):
+            stored_rate = open_slice(key)[:] if key.endswith(".slope_rate") and key in files else None  # as stored: bf16 rounds it
+            if stored_rate is not None and not torch.allclose(stored_rate.float(), rate.to(stored_rate.dtype).float(), rtol=1e-5, atol=0.0):
                 raise ValueError(f"checkpoint: {key} is not the lightning decay fmoe computes for its layer "
                                  f"(fmoe.layers.lightning_decay: {(-rate.flatten()).tolist()})")
             if key.endswith(("act_fn.beta", "act_fn.eps")) and key in files:  # xIELU's constants, as stored (bf16 rounds eps)
@@ -6247,8 +6279,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             full = _yarn_parameters(cfg) if cfg.yarn_factor is not None else _rope_parameters(cfg)
             hf.update(attention_bias=False, sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg),
                       rope_parameters=_rope_by_layer_type_parameters(cfg, full))
-        elif model_type == "bamba":  # RoPE on half of each head's channels (transformers fixes it; config_mismatch names another)
+        elif model_type == "bamba":  # RoPE on half of each head's channels unless partial_rotary_factor says otherwise
             hf.update(attention_bias=False, attn_layer_indices=[i for i in range(cfg.n_layers) if not cfg.is_linear(i)], **_mamba2_config(cfg))
+            if (cfg.rope_dim or cfg.head_dim) * 2 != cfg.head_dim:
+                hf["rope_parameters"] = dict(hf.get("rope_parameters") or {}, partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim)
         elif model_type == "falcon_h1":  # the multipliers fmoe keeps as knobs; the others 1, folded into the weights (_falcon_h1_folds)
             gate_norm = cfg.linear_gate_norm
             hf.update(attention_bias=False, projectors_bias=False, **_mamba2_config(cfg, ssm_channels=True),
@@ -6626,14 +6660,16 @@ def constant_tensors(family: Family, cfg: TransformerConfig, hf: dict) -> dict[s
     return out
 
 
-def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list, hf: Optional[dict] = None):
+def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list, hf: Optional[dict] = None,
+                        dtypes: Optional[dict] = None):
     """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
     one parameter at a time, then the zero experts' unused rows as zeros (zero_expert_keys) and
     the config's constant tables (constant_tensors; hf: the config.json written). A
     DTensor is gathered (full_tensor) whatever `keep` says: every rank must walk this in
     step; a rank with keep=False yields nothing, and neither does one once `failed` holds an
     error (a conversion that raises is appended to it: the walk goes on, gathering, so that
-    the other ranks are not left waiting in a collective)."""
+    the other ranks are not left waiting in a collective). dtypes: HF key -> its dtype where
+    it is not `dtype` (_converted)."""
     from torch.distributed.tensor import DTensor
 
     copies: dict[str, list[str]] = {}
@@ -6649,25 +6685,29 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
         try:
             scale = folded(name)
             full = full.to("cpu") if scale == 1.0 else full.to("cpu").float() / scale
-            stored = _converted(name, spec, full, copies.get(name, ()), parts, dtype)
+            stored = _converted(name, spec, full, copies.get(name, ()), parts, dtype, dtypes)
         except Exception as err:
             failed.append(err)
             continue
         yield from stored
     if keep and not failed:
         for key, shape in zero_expert_keys(family, model.cfg).items():
-            yield key, torch.zeros(shape, dtype=dtype)
+            yield key, torch.zeros(shape, dtype=(dtypes or {}).get(key, dtype))
         for key, value in constant_tensors(family, model.cfg, hf or {}).items():
-            yield key, value.to(dtype)
+            yield key, value.to((dtypes or {}).get(key, dtype))
 
 
-def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """The (HF key, tensor) pairs that one gathered parameter completes (_checkpoint_tensors)."""
+def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype,
+               dtypes: Optional[dict] = None) -> list[tuple[str, torch.Tensor]]:
+    """The (HF key, tensor) pairs that one gathered parameter completes (_checkpoint_tensors);
+    dtypes: HF key -> its dtype where it is not `dtype` (a loaded folder's, model.hf_dtypes)."""
+    dtypes = dtypes or {}
     # the MTP layers' copies of the embedding, the head (and the final norm), each in its own
     # storage: safetensors refuses shared tensors
-    out = [(key, full.to(dtype).clone()) for key in copies]
-    if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
-        return [*out, (spec.keys[0], _with_units(spec, full).contiguous())]
+    out = [(key, full.to(dtypes.get(key, dtype)).clone()) for key in copies]
+    if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32), or as the folder stored it
+        return [*out, (spec.keys[0], _with_units(spec, full).to(dtypes.get(spec.keys[0], torch.float32)).contiguous())]
+    dtype = dtypes.get(spec.keys[0], dtype)
     if not full.is_floating_point():  # a hashed block's table of expert ids (DeepSeek-V4's tid2eid): int64, as stored
         return [*out, (spec.keys[0], full.contiguous())]
     if spec.part is None and spec.chunk is None:
@@ -6756,7 +6796,9 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         except Exception as err:
             failed.append(err)
     try:
-        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, hf=hf):
+        # a loaded folder written back: the tensors it stored in another dtype than the rest, in that one (model.hf_dtypes)
+        dtypes = getattr(model, "hf_dtypes", None) if hf is getattr(model, "hf_config", None) else None
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, hf=hf, dtypes=dtypes):
             try:
                 writer.add(key, value)
             except Exception as err:

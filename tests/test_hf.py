@@ -5326,3 +5326,53 @@ def test_axk2_reads_its_gated_norms_and_fused_query_gate_and_leaves_its_mtp_laye
     unread = _with_extra_key(path, tmp_path / "mtp", "model.layers.3.eh_proj.weight", torch.zeros(32, 64))
     with torch.no_grad():
         assert torch.equal(hf.from_pretrained(unread, impl="torch")[0].logits(ids, cu), want)
+
+
+def test_a_bfloat16_folder_is_written_back_with_the_dtypes_it_stored(tmp_path):
+    """transformers stores a bfloat16 DeepSeek-V3's routers (mlp.gate.weight) in float32;
+    loaded (as bfloat16 or float32) and saved again, the files are bit-identical (the routers
+    were rounded to bfloat16 before: 2e-3 off); and a bfloat16 MiniMax folder, whose decay
+    tables are bfloat16, loads (its slope_rate was refused against the float32 decay)."""
+    from safetensors.torch import load_file
+
+    config = FAMILIES["deepseek_v3"]()
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+    ref.save_pretrained(tmp_path / "v3")
+    stored = load_file(tmp_path / "v3" / "model.safetensors")
+    routers = [k for k in stored if k.endswith("mlp.gate.weight")]
+    assert routers and all(stored[k].dtype == torch.float32 for k in routers)  # what the test is about
+    for dtype in (torch.bfloat16, torch.float32):
+        model, _ = hf.from_pretrained(tmp_path / "v3", impl="torch", dtype=dtype)
+        hf.save_pretrained(model, tmp_path / f"again-{dtype}")
+        assert filecmp.cmp(tmp_path / "v3" / "model.safetensors", tmp_path / f"again-{dtype}" / "model.safetensors", shallow=False), dtype
+    # written as float16: the routers stay float32 as stored, the rest follows the config
+    model, _ = hf.from_pretrained(tmp_path / "v3", impl="torch")
+    model.hf_config = dict(model.hf_config, dtype="float16")
+    hf.save_pretrained(model, tmp_path / "half")
+    half = load_file(tmp_path / "half" / "model.safetensors")
+    assert {half[k].dtype for k in routers} == {torch.float32} and half["model.embed_tokens.weight"].dtype == torch.float16
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["minimax"](), dtype=torch.bfloat16).save_pretrained(tmp_path / "minimax")
+    assert any(v.dtype == torch.bfloat16 for k, v in load_file(tmp_path / "minimax" / "model.safetensors").items() if k.endswith("slope_rate"))
+    hf.from_pretrained(tmp_path / "minimax", impl="torch")
+
+
+def test_bamba_reads_and_writes_its_partial_rotary_factor(tmp_path):
+    """Bamba's attention rotates the first partial_rotary_factor of each head (transformers'
+    default 0.5, an explicit one honoured): fmoe read half whatever the field said."""
+    config = FAMILIES["bamba"]()
+    config.rope_parameters = dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    ref.save_pretrained(tmp_path / "bamba")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bamba", dtype=torch.float32).eval()
+    model, cfg = hf.from_pretrained(tmp_path / "bamba", impl="torch")
+    assert cfg.rope_dim == cfg.head_dim // 4
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+    del model.hf_config  # fmoe's own: the factor written into a fresh config
+    with torch.no_grad():
+        assert _rel(_exported_logits(model, tmp_path / "fresh", "bamba"), _their_logits(ref, docs)) < 1e-5
+    assert hf.read_config(tmp_path / "fresh")[1].rope_dim == cfg.rope_dim
