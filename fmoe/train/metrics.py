@@ -80,6 +80,10 @@ _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific na
 
 def _offsets(cu_seqlens) -> list[int]:
     """cu_seqlens (a tensor or a list) as a list of ints: fmoe.ops.checks.check_cu_seqlens's offsets, ending at T > 0."""
+    if not isinstance(cu_seqlens, (torch.Tensor, list, tuple)):  # None, a string: torch's "Could not infer dtype" before
+        raise ValueError(f"cu_seqlens: expected offsets [0, ..., T] (a tensor or a list of ints), got {type(cu_seqlens).__name__}")
+    if not isinstance(cu_seqlens, torch.Tensor) and len(cu_seqlens) < 2:  # [] read as float32 ("expected dtype int32")
+        raise ValueError(f"cu_seqlens: expected offsets [0, ..., T] (at least 2), got {list(cu_seqlens)}")
     cu = torch.as_tensor(cu_seqlens)
     check_cu_seqlens(cu, int(cu[-1]) if cu.ndim == 1 and cu.numel() and cu.dtype in (torch.int32, torch.int64) else 0)
     if int(cu[-1]) <= 0:
@@ -198,6 +202,10 @@ def flops_per_token(
     def gate(N, Dv=Dv):  # the output gate [H, N v_dim], or [H, N] per head
         return H * N * (1 if attn_gate_per_head else Dv) if attn_gate else 0
 
+    if attention_weights is not None:
+        _check_count("attention_weights", attention_weights)
+    if v_dim is not None:
+        _check_count("v_dim", v_dim, 1)
     if local_attention_weights is not None:
         _check_count("local_attention_weights", local_attention_weights)
     elif local_heads is not None:  # grouped-query attention's, of the local blocks' query heads
@@ -238,8 +246,11 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     K (2 Ck + Cv) + 2 Nv Dk Dv); Mamba-1's (kind "mamba1", C channels, N = Dk, R = dt_rank) its
     projections (x, z, dt's pair, B, C, the output), the taps and two products: 6 (2 H C + 2 R C
     + 2 C N + C H + K C + 2 C N)."""
-    from fmoe.layers import linear_attention_shapes
+    from fmoe.layers import LinearAttentionConfig, linear_attention_shapes
 
+    check_positive_int("hidden", hidden)
+    if not isinstance(cfg, LinearAttentionConfig):
+        raise ValueError(f"cfg: expected a LinearAttentionConfig, got {type(cfg).__name__}")
     Nv = cfg.n_v_heads
     weights = sum(rows * cols for name, (rows, cols) in ((n, s) for n, s in linear_attention_shapes(hidden, cfg).items() if n.startswith("w")))
     # LFM2's short convolution has no rule; lightning attention's no recall (the write and the read only)
@@ -277,7 +288,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     (mean_attended_keys(cu_seqlens, index_topk): at most index_topk; required), and its
     indexer adds per block with one (trunk and MTP; not index_shared_layers) 6 x its projection weights and
     6 index_heads index_head_dim n_avg_keys for its scores (every earlier key scored for the
-    choice, again for its loss, and the loss's backward).
+    choice, again for its loss, and the loss's backward); not trained (cfg.index_loss_coeff
+    0) its forward alone, 2 x its projection weights and 2 index_heads (index_head_dim + 1)
+    n_avg_keys (the products and their weighted sum).
     The router counts its n_choices outputs (cfg.n_choices where the model has zero experts,
     else n_experts). k: the mean computing experts per token where it is not cfg.k (with
     zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads).
@@ -358,6 +371,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     values["n_experts"] = getattr(cfg, "n_choices", cfg.n_experts)  # the router's outputs
     if k is not None:
         _check_count("k", k)
+        if k > cfg.n_experts:
+            raise ValueError(f"k: the mean computing experts per token, expected at most n_experts = {cfg.n_experts}, got {k}")
         values["k"] = k
     indexer = 0.0
     if getattr(cfg, "index_topk", None) is not None:  # DeepSeek sparse attention: the kept keys, and the indexer
@@ -370,7 +385,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         _check_count("n_avg_keys", n_avg_keys)
         weights = sum(a * b for a, b in (shape for shape in index_shapes(cfg.hidden, cfg.attention_config()).values() if len(shape) == 2))
         blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer (no mixer-free ones)
-        indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
+        if getattr(cfg, "index_loss_coeff", 1.0) > 0:
+            indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
+        else:  # not trained: the choice's forward alone, the projections and every key's products and their weighted sum
+            indexer = blocks * (2 * weights + 2 * cfg.index_heads * (cfg.index_head_dim + 1) * n_avg_keys)
         n_avg_keys = n_avg_index_keys
     compressed = 0.0
     if getattr(cfg, "compress_layers", None):  # heavily compressed attention: the compressor's projections, the entries' scores and values
@@ -435,7 +453,10 @@ def datasheet_peak_flops(name: str) -> Optional[float]:
 
 def peak_flops(device: Union[torch.device, str, int, None] = None) -> Optional[float]:
     """Dense bf16 datasheet peak of a CUDA device; None on CPU, without CUDA, or unknown."""
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    try:
+        device = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) else torch.device(device or "cuda")
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}") from None
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return datasheet_peak_flops(torch.cuda.get_device_name(device))
@@ -447,8 +468,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> O
     _check_count("flops_per_token", flops_per_token)
     if peak is None:
         return None
-    if isinstance(peak, bool) or not isinstance(peak, Real) or not peak > 0:
-        raise ValueError(f"peak: expected FLOP/s > 0 or None, got {peak!r}")
+    if isinstance(peak, bool) or not isinstance(peak, Real) or not 0 < peak < math.inf:
+        raise ValueError(f"peak: expected finite FLOP/s > 0 or None, got {peak!r}")
     return tokens_per_s * flops_per_token / peak
 
 

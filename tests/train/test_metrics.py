@@ -57,6 +57,10 @@ def test_mean_attended_keys():
     for bad in ([], [1, 4], [0, 4, 2], [0]):
         with pytest.raises(ValueError, match="cu_seqlens"):
             M.mean_attended_keys(bad)
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected offsets \[0, ..., T\] \(a tensor or a list of ints\), got NoneType"):
+        M.mean_attended_keys(None)
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected offsets \[0, ..., T\] \(at least 2\), got \[\]"):
+        M.mean_attended_keys([])
     for fn in (M.mean_attended_keys, functools.partial(M.mean_compressed_entries, rate=2)):  # fractional offsets gave 1.25
         with pytest.raises(ValueError, match=r"cu_seqlens: expected dtype int32 or int64, got torch.float32"):
             fn([0.0, 2.5, 5.0])
@@ -71,6 +75,20 @@ def test_flops_bad_inputs():
         M.flops_per_token(**dict(CFG, vocab=-1))
     with pytest.raises(TypeError):
         M.flops_per_token(64)
+    # each accepted and counted before: a negative weight count, a negative value head dim, a hidden of -1
+    with pytest.raises(ValueError, match="attention_weights: expected a finite number >= 0, got -5"):
+        M.flops_per_token(**CFG, attention_weights=-5)
+    with pytest.raises(ValueError, match="v_dim: expected a finite number >= 1, got -5"):
+        M.flops_per_token(**CFG, v_dim=-5)
+    from fmoe.layers import LinearAttentionConfig
+
+    lin = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6)
+    with pytest.raises(ValueError, match="hidden: expected >= 1, got -1"):
+        M.linear_attention_flops(-1, lin)
+    with pytest.raises(ValueError, match="hidden: expected an int, got 'x'"):
+        M.linear_attention_flops("x", lin)
+    with pytest.raises(ValueError, match="cfg: expected a LinearAttentionConfig, got dict"):
+        M.linear_attention_flops(32, {})
 
 
 def test_peaks_and_mfu():
@@ -87,6 +105,11 @@ def test_peaks_and_mfu():
     assert M.mfu(1e5, 1e9, None) is None
     with pytest.raises(ValueError, match="peak"):
         M.mfu(1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="peak: expected finite FLOP/s > 0 or None, got inf"):  # an MFU of 0 before
+        M.mfu(1.0, 1e9, math.inf)
+    for bad in ("bogus", True):  # torch's RuntimeError / TypeError before
+        with pytest.raises(ValueError, match="device: expected a torch.device, a device string or a CUDA index, got"):
+            M.peak_flops(bad)
 
 
 def test_layer_loads_are_load_stats_as_record_entries():
@@ -509,6 +532,34 @@ COUNTED = {
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
                    router_expert_scale=True, layer_scalars=True, attn_gate=True),
 }
+
+
+def test_a_frozen_sparse_attention_indexer_counts_its_forward_alone():
+    """DeepSeek sparse attention with index_loss_coeff 0 (its indexer not trained): the choice's
+    forward alone runs, its projections and every key's products and their weighted sum; the
+    formula counted 6 x both (the loss's recompute and backward), here 8704 FLOPs a token of
+    154592 that never ran. Counted as in test_flops_per_token_matches_counted_matmuls (CPU math
+    path: every key scored and attended: n_avg_keys = n_avg_index_keys = T). k above the
+    computing experts is refused."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                            n_heads=4, n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, index_topk=3,
+                            index_heads=4, index_head_dim=6, mtp_depth=0, index_loss_coeff=0.0, impl="torch")
+    T = 24
+    model = Transformer(cfg)
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, T]), cfg.mtp_depth)
+    with FlopCounterMode(display=False) as counter:
+        losses, _ = model(batch, model.context(batch))
+        sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
+    assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_index_keys=T)
+    trained = M.model_flops_per_token(dataclasses.replace(cfg, index_loss_coeff=1.0), n_avg_keys=T, n_avg_index_keys=T)
+    assert trained - M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_index_keys=T) == 2 * (4 * 560 + 4 * 4 * 6 * T - 2 * 4 * T)
+    with pytest.raises(ValueError, match="k: the mean computing experts per token, expected at most n_experts = 4, got 9"):
+        M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_index_keys=T, k=9)
 
 
 @pytest.mark.parametrize("name", list(COUNTED))
