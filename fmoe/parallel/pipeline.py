@@ -1,7 +1,8 @@
 """Pipeline parallelism for the reference model on torch.distributed.pipelining.
 
     layers = stage_layers(n_layers=8, n_stages=4)           # [range(0, 2), range(2, 4), ...]
-    pipe = Pipeline(cfg, meshes, schedule="1f1b", virtual=1, loss_fn=..., build=...)
+    pipe = Pipeline(cfg, meshes, schedule="1f1b", virtual=1, loss_fn=..., tokens=T, device=..., dtype=...,
+                    parallelize=..., materialize=...)
     for chunk in pipe.chunks: ...                          # this rank's Transformers (pruned)
     logged, counts = pipe.step(micro_batches)              # forward + backward of one step
 
@@ -129,15 +130,7 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     n = len(model.blocks)
     if not chunk.layers or chunk.layers.start < 0 or chunk.layers.stop > n or chunk.layers.step != 1:
         raise ValueError(f"chunk: expected a non-empty range of consecutive layers within range({n}), got {chunk.layers}")
-    for i in chunk.layers:  # DeepSeek sparse attention: a block reusing another's choice of keys needs it in its own forward
-        if model.cfg.is_index_shared(i) and model.cfg.index_source(i) not in chunk.layers:
-            raise ValueError(f"chunk: block {i} attends to the keys block {model.cfg.index_source(i)} chose (index_shared_layers), which is in another "
-                             f"stage than {chunk.layers}; split the layers so that they share a stage")
-    for i in chunk.layers:  # a shortcut pair hands its MoE's output from one block to the next: one stage holds both
-        pair = (i - 1, i) if model.cfg.shortcut(i) == "in" else (i, i + 1) if model.cfg.shortcut(i) == "out" else (i, i)
-        if not all(j in chunk.layers for j in pair):
-            raise ValueError(f"chunk: blocks {pair[0]} and {pair[1]} are a shortcut pair (shortcut_moe), the first's MoE output added in the second, "
-                             f"and {chunk.layers} holds one of them; split the layers so that each pair shares a stage (layers_per_stage)")
+    _check_stage(model.cfg, chunk.layers)
     for i in range(n):
         if i not in chunk.layers:
             model.blocks[i] = LayerElsewhere(i)
@@ -156,10 +149,24 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     return model
 
 
+def _check_stage(cfg: TransformerConfig, layers: range) -> None:
+    """ValueError naming chunk unless the blocks `layers` run on their own: no block reusing
+    the keys another stage's block chose, no shortcut pair cut in two."""
+    for i in layers:  # DeepSeek sparse attention: a block reusing another's choice of keys needs it in its own forward
+        if cfg.is_index_shared(i) and cfg.index_source(i) not in layers:
+            raise ValueError(f"chunk: block {i} attends to the keys block {cfg.index_source(i)} chose (index_shared_layers), which is in another "
+                             f"stage than {layers}; split the layers so that they share a stage")
+    for i in layers:  # a shortcut pair hands its MoE's output from one block to the next: one stage holds both
+        pair = (i - 1, i) if cfg.shortcut(i) == "in" else (i, i + 1) if cfg.shortcut(i) == "out" else (i, i)
+        if not all(j in layers for j in pair):
+            raise ValueError(f"chunk: blocks {pair[0]} and {pair[1]} are a shortcut pair (shortcut_moe), the first's MoE output added in the second, "
+                             f"and {layers} holds one of them; split the layers so that each pair shares a stage (layers_per_stage)")
+
+
 def check_schedule(schedule: str, virtual: int) -> str:
     """ValueError naming the knob unless `schedule` is a SCHEDULES name that runs `virtual`
     stages per rank; returns its style ("one" or "loop")."""
-    if schedule not in SCHEDULES:
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
     style = SCHEDULES[schedule][1]
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
@@ -175,6 +182,7 @@ def check_micro_batches(schedule: str, n: int, pp: int, virtual: int = 1) -> Non
     """ValueError naming the knob (batch_schedule) unless `schedule` can run n micro-batches
     per step on each data-parallel rank with pp ranks of `virtual` stages each."""
     check_schedule(schedule, virtual)
+    check_positive_int("pp", pp)
     S = pp * virtual
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"batch_schedule: expected at least one micro-batch per data-parallel rank, got {n!r}")
@@ -286,6 +294,9 @@ class Pipeline:
                                  "(shortcut_moe): every stage needs at least one pair")
             layers_per_stage = [2 * len(r) for r in stage_layers(cfg.n_layers // 2, self.n_stages)]
         self.layers = stage_layers(cfg.n_layers, self.n_stages, layers_per_stage)
+        for layers in self.layers:  # every stage's, on every rank: one refused on its own rank alone left the others waiting
+            _check_stage(cfg, layers)
+        self.tokens = check_positive_int("tokens", tokens)
         self.stage_ids = rank_stages(meshes.pp_rank, self.pp, virtual)
         self.loss_fn = loss_fn
         self.chunks: list[Transformer] = []
@@ -346,6 +357,7 @@ class Pipeline:
         layers held elsewhere absent)."""
         n = len(micro_batches)
         schedule = self.schedule(n)
+        self._check_micro_batches(micro_batches)
         for module in self.modules:
             module.micro_batches, module.logged, module.counts, module.evaluating = list(micro_batches), {}, {}, False
         index = torch.arange(n)
@@ -359,6 +371,17 @@ class Pipeline:
             counts.update(module.counts)
             module.micro_batches = []
         return logged, counts
+
+    def _check_micro_batches(self, micro_batches) -> None:
+        """ValueError unless each is a MicroBatch of `tokens` token ids (the stages' buffers'
+        size: another T aborted the transfers between stages); on every rank alike when
+        every rank is given the same kind of micro-batches."""
+        for i, mb in enumerate(micro_batches):
+            if not isinstance(mb, MicroBatch):
+                raise ValueError(f"micro_batches[{i}]: expected a fmoe.parallel.MicroBatch, got {type(mb).__name__}")
+            ids = mb.batch["input_ids"]
+            if ids.ndim != 1 or ids.shape[0] != self.tokens:
+                raise ValueError(f"micro_batches[{i}]: expected {self.tokens} token ids (the Pipeline's tokens), got shape {tuple(ids.shape)}")
 
     # ------------------------------------------------------------------ tied embedding
     def _tied_group(self, cfg: TransformerConfig) -> Optional[dist.ProcessGroup]:
@@ -386,9 +409,12 @@ class Pipeline:
         optimizer steps. No-op without MTP (the last stage holds no copy)."""
         from fmoe.ops.backend import local_tensor
 
-        copies = [p for p in self.embed_copies() if p.grad is not None]
+        copies = self.embed_copies()
         if copies and self.tied_group is not None:  # one per rank: the first stage's, or the last's
-            dist.all_reduce(local_tensor(copies[0].grad), group=self.tied_group)
+            p = copies[0]
+            if p.grad is None:  # a loss that left the MTP modules out: zeros, so that both ranks join the sum (one waited)
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_tensor(p.grad), group=self.tied_group)
 
     @torch.no_grad()
     def tied_mismatches(self) -> list[str]:
@@ -433,6 +459,9 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         n = len(micro_batches)
+        if n < 1:
+            raise ValueError("micro_batches: expected at least one micro-batch to evaluate, got none")
+        self._check_micro_batches(micro_batches)
         if n not in self._eval:
             import torch.distributed.pipelining as pipelining
 

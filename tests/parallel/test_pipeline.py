@@ -137,7 +137,61 @@ def _case(sizes, schedule, virtual, overrides):
     return errors
 
 
+def _refusals():
+    """What every rank must see alike (a rank raising alone left the others waiting), and a
+    loss without the MTP terms, whose embedding copy then has no gradient: its sum with the
+    first stage's still runs (rank 1 skipped the all_reduce rank 0 entered: a hang)."""
+    from fmoe.model import TransformerConfig
+    from fmoe.parallel import MicroBatch, Pipeline, build_meshes, materialize, parallelize
+
+    meshes = build_meshes(pp=2)
+
+    def lm_only(losses, stats, batch, model):
+        return (None if losses is None else losses["lm_sum"]), {}
+
+    def make(cfg, tokens=T, layers_per_stage=None):
+        return Pipeline(cfg, meshes, schedule="gpipe", virtual=1, loss_fn=lm_only, tokens=tokens, device="cpu", dtype=torch.float32,
+                        parallelize=lambda m: parallelize(m, meshes), materialize=lambda m: materialize(m, "cpu", seed=0),
+                        layers_per_stage=layers_per_stage)
+
+    def refused(call, said):
+        try:
+            call()
+        except ValueError as err:
+            return float(said not in str(err))
+        return 1.0
+
+    dsa = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, index_topk=3, index_heads=2,
+               index_head_dim=4, index_shared_layers=(2,))
+    errors = {"split_refused_on_every_rank": refused(lambda: make(TransformerConfig(**{**TINY, **dsa}), layers_per_stage=[2, 2]),
+                                                     "chunk: block 2 attends to the keys block 1 chose"),
+              "tokens_refused": refused(lambda: make(TransformerConfig(**TINY), tokens=0), "tokens: expected >= 1, got 0")}
+    pipe = make(TransformerConfig(**TINY))
+    batches = _batches(2)
+    from fmoe.train.data import make_batch
+
+    short = make_batch(torch.arange(16) % TINY["vocab_size"], torch.tensor([0, 16]), 1)  # 16 tokens, not T
+    errors["other_token_count_refused"] = refused(lambda: pipe.step([MicroBatch(batches[0]), MicroBatch(short)]),
+                                                  "micro_batches[1]: expected 24 token ids (the Pipeline's tokens), got shape (16,)")
+    errors["raw_batches_refused"] = refused(lambda: pipe.step(batches), "micro_batches[0]: expected a fmoe.parallel.MicroBatch, got TensorDict")
+    errors["no_batch_to_evaluate_refused"] = refused(lambda: pipe.evaluate([]), "micro_batches: expected at least one micro-batch")
+    pipe.step([MicroBatch(b) for b in batches])
+    copies = pipe.embed_copies()
+    last = any(c.pipeline_chunk.last for c in pipe.chunks)
+    errors["copy_has_no_gradient"] = float(last and copies[0].grad is not None)  # what the test is about
+    from fmoe.ops.backend import local_tensor  # this rank's values alone (a DTensor's comparison is a collective)
+
+    first = None if last else local_tensor(copies[0].grad).clone()
+    pipe.sync_tied_grads()  # returned on both ranks: no hang
+    grad = local_tensor(copies[0].grad) if copies[0].grad is not None else None
+    errors["copy_gets_the_first_stage_s_gradient"] = float(not torch.equal(grad, first)) if first is not None else float(
+        grad is None or not grad.any())
+    return errors
+
+
 CASES = {
+    # refusals alike on every rank, and the tied embedding's sum with a loss that leaves the MTP modules out
+    "refusals": (2, _refusals),
     # 2 trunk layers: stage 0 holds only the dense block (no MoE layer: it joins every collective all the same)
     "1f1b": (2, dict(pp=2), "1f1b", 1, dict(n_layers=2)),
     "gpipe": (2, dict(pp=2), "gpipe", 1, dict(n_layers=2, **GRANITE)),  # the embedding's and the logits' multipliers on their stages
@@ -159,7 +213,7 @@ CASES = {
 
 
 def _cases(rank, world, names):
-    return {name: in_own_groups(_case, *CASES[name][1:]) for name in names}
+    return {name: in_own_groups(CASES[name][1]) if callable(CASES[name][1]) else in_own_groups(_case, *CASES[name][1:]) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +255,11 @@ def test_stage_layers_split_evenly_or_as_asked():
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("zbv", 2), r"pp_schedule: expected one of gpipe, 1f1b, interleaved_1f1b, looped_bfs"),
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("pipedream", 1), r"pp_schedule: expected one of gpipe, 1f1b"),
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).plan_sizes(4, pp=3), r"pp: 3 pipeline stages do not divide the world size 4"),
+    # the pp of check_micro_batches (0 and a bool were accepted, "2" a TypeError) and a schedule of another type (unhashable)
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("1f1b", 2, 0), r"pp: expected >= 1, got 0"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("1f1b", 4, True), r"pp: expected an int, got True"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("interleaved_1f1b", 2, 0, 2), r"pp: expected >= 1, got 0"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule(["1f1b"], 1), r"pp_schedule: expected one of .*, got \['1f1b'\]"),
 ])
 def test_bad_splits_and_schedules_name_the_knob(call, message):
     with pytest.raises(ValueError, match=message):
