@@ -353,9 +353,10 @@ def load_balancing_loss(
     Args:
         scores: [T, E] from aux_scores (differentiable).
         counts: [E] slots per expert (int or float).
-        k: slots per token. n_tokens: token count the counts cover (int or 0-D tensor);
-            0 (every token masked: fmoe.ops.balance.mask_tokens, n_tokens = mask.sum())
-            gives 0 with a zero gradient, as z_loss's mean over no token does.
+        k: slots per token. n_tokens: token count the counts cover: an int >= 1, or a 0-D
+            tensor, whose 0 (every token masked: fmoe.ops.balance.mask_tokens, n_tokens =
+            mask.sum(), read on no host) gives 0 with a zero gradient, as z_loss's mean over
+            no token does.
     Returns: 0-D float32 tensor.
     """
     _check_scores_counts(scores, counts)
@@ -365,11 +366,11 @@ def load_balancing_loss(
             raise ValueError(f"n_tokens: expected an int or a 1-element tensor, got shape {tuple(n_tokens.shape)}")
         n = n_tokens.reshape(()).to(device=scores.device, dtype=torch.float32)
     else:
-        n = float(check_positive_int("n_tokens", n_tokens, 0))
+        n = float(check_positive_int("n_tokens", n_tokens))
     E = scores.shape[1]
     weighted = (scores.float().sum(dim=0) * counts.float()).sum() * (E / k)
     if not isinstance(n, torch.Tensor):
-        return weighted / (n * n) if n else weighted * 0.0
+        return weighted / (n * n)
     return torch.where(n > 0, weighted / n.clamp(min=1).square(), 0.0)  # no 0/0 (a NaN), forward or backward
 
 
