@@ -109,7 +109,9 @@ class Config:
     init_lr: float = 0.0            # the warmup starts here
     warmup: int = -1                # steps; -1: 20, or a tenth of a shorter run
     lr_style: str = "cosine"        # constant | linear | cosine | inverse_sqrt | wsd
-    wsd_decay: int = -1             # wsd: steps of the final decay; -1: a fifth of the steps after warmup
+    wsd_decay: int = -1             # wsd: steps of the final decay; -1: a fifth of the steps after warmup. Step n runs
+                                    # at the schedule's lr after n - 1 steps (Megatron's count): the floor is reached
+                                    # after the last step, so --wsd_decay=1 lowers no step's lr
     wsd_style: str = "linear"       # wsd: linear | cosine | exponential | minus_sqrt
     weight_decay: float = 0.1       # matrices only: never norms, biases, gates (Megatron Core's default)
     decay_embeddings: bool = True   # ...and the embedding and output head by this knob
