@@ -422,6 +422,9 @@ def param_norm(
     tensor(5.)
     """
     params = _without_copies(_as_param_list(parameters), _as_param_list(copies))
+    for i, p in enumerate(params):  # an integer buffer passed in: torch's "Expected a floating point" before
+        if not (p.is_floating_point() or p.is_complex()):
+            raise ValueError(f"parameters[{i}]: expected floating-point values, got {p.dtype}")
     pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
     return _distributed_norm(params, 2.0, pg, world, None, pp, what="its value")
@@ -509,6 +512,8 @@ class Float32GradAccumulator:
     """
 
     def __init__(self, model: torch.nn.Module, patterns: Union[str, Iterable[str]] = ("router",)):
+        if not isinstance(model, torch.nn.Module):  # a list of parameters: an AttributeError on named_parameters before
+            raise ValueError(f"model: expected a torch.nn.Module (its named_parameters are matched), got {type(model).__name__}")
         try:
             patterns = [patterns] if isinstance(patterns, str) else list(patterns)
         except TypeError:  # patterns=3

@@ -313,6 +313,7 @@ def test_param_norm_and_zero_count_refusals():
         _raises(r"parameters\[0\]: expected a tensor", fn, params, copies=["w"])
         _raises("group: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str", fn, params, group="dp")
         _raises("group: with pp_group, pass the group of this pipeline stage's ranks", fn, params, pp_group="pp")
+    _raises(r"parameters\[1\]: expected floating-point values, got torch.int64", param_norm, [params[0], torch.tensor([3, 4])])
 
 
 # ---------------------------------------------------------------------------- a world of one rank
@@ -482,5 +483,6 @@ def test_patterns_that_are_not_strings_name_the_argument():
     first name with a TypeError."""
     model = torch.nn.ModuleDict({"router": torch.nn.Linear(2, 2)})
     _raises("^patterns: expected a regular expression or an iterable of them, got 3", Float32GradAccumulator, model, patterns=3)
+    _raises("^model: expected a torch.nn.Module .its named_parameters are matched., got list", Float32GradAccumulator, list(model.parameters()))
     _raises("^patterns: expected regular expressions", Float32GradAccumulator, model, patterns=[b"router"])
     _raises("^patterns: expected a regular expression or an iterable", Float32GradAccumulator, model, patterns=None)
