@@ -363,6 +363,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
     if out.suffix.lower() == ".npy":  # the loaders read a .npy name as numpy's array format, which this file is not
         raise ValueError(f"out: {str(out)!r} would be read as a numpy array; name the token file .u16, .u32 or .bin")
+    if out.name.lower().endswith(".index.json"):  # its own index would be OUT.index.json.index.json, the loaders reading OUT as tokens
+        raise ValueError(f"out: {str(out)!r} is named as an index; name the token file (e.g. data/code.u16), its index is written beside it")
     if not isinstance(text_key, str) or not text_key:
         raise ValueError(f"text_key: expected a non-empty field name, got {text_key!r}")
     if prompt_key is not None and (not isinstance(prompt_key, str) or not prompt_key or prompt_key == text_key):

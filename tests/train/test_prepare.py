@@ -226,6 +226,9 @@ def test_bad_inputs(src, tmp_path, tokenizer_path):
     with pytest.raises(ValueError, match=r"out: .*tokens.npy' would be read as a numpy array; name the token file .u16, .u32 or .bin"):
         prepare(src, tmp_path / "tokens.npy", tokenizer=tokenizer_path, progress=False)
     assert not (tmp_path / "tokens.npy").exists()
+    with pytest.raises(ValueError, match=r"out: .*tokens.u16.INDEX.json' is named as an index; name the token file"):
+        prepare(src, tmp_path / "tokens.u16.INDEX.json", tokenizer=tokenizer_path, progress=False)
+    assert not list(tmp_path.glob("tokens.u16.*"))
     empties = tmp_path / "empties"
     empties.mkdir()
     with pytest.raises(ValueError, match="src: no files under"):
