@@ -177,7 +177,10 @@ def main() -> None:
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
     batch = make_batch(base, T, device)
     index_keys = metrics.mean_attended_keys(batch["cu_seqlens"], base.index_topk) if base.index_topk is not None else None
-    flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]), n_avg_index_keys=index_keys)
+    block_keys = (metrics.mean_block_keys(batch["cu_seqlens"], base.index_topk_blocks, base.index_block_size)
+                  if base.index_topk_blocks is not None else None)
+    flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]), n_avg_index_keys=index_keys,
+                                                    n_avg_block_keys=block_keys)
     compile_kw = dict(backend="aot_eager") if args.smoke else {}
     fast = "triton" if args.smoke else "auto"
     impls = {  # name: (impl, compiled, fp8, fp8_fast_accum)

@@ -898,6 +898,8 @@ def main(argv: list[str]) -> None:
                            if model_cfg.any_local else None)
             n_avg_index = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.index_topk) for b in host_batches) / n_micro
                            if model_cfg.index_topk is not None else None)  # DeepSeek sparse attention's kept keys
+            n_avg_block = (sum(metrics.mean_block_keys(b["cu_seqlens"], model_cfg.index_topk_blocks, model_cfg.index_block_size)
+                                for b in host_batches) / n_micro if model_cfg.index_topk_blocks is not None else None)  # block-sparse attention's
             # zero experts: the routed experts' FLOPs at the step's share of computing slots
             k_computing = (model_cfg.k * (1 - sum(record["zero_fraction"]) / len(moe_names))
                            if model_cfg.zero_experts and moe_names else None)
@@ -907,7 +909,7 @@ def main(argv: list[str]) -> None:
                          for name, topk in (("n_avg_csa_entries", None), ("n_avg_csa_chosen", model_cfg.csa_topk))} if model_cfg.csa_layers else {}
             flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local,
                                                             n_avg_index_keys=n_avg_index, k=k_computing, n_avg_compressed_keys=n_avg_compressed,
-                                                            **n_avg_csa)
+                                                            n_avg_block_keys=n_avg_block, **n_avg_csa)
             record.update(
                 step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
                 loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding

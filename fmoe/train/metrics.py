@@ -136,6 +136,33 @@ def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate
     return sum(seen(*divmod(b - a, rate)) for a, b in zip(cu, cu[1:])) / cu[-1]
 
 
+def mean_block_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], topk_blocks: int, block_size: int) -> float:
+    """The mean number of keys a query attends to in block-sparse attention
+    (fmoe.layers.AttentionConfig.index_topk_blocks K, index_block_size b): a query at place p
+    of its document sees p + 1 keys in p // b + 1 blocks; with more than K of them it attends
+    to its own block's p mod b + 1 and K - 1 full ones, min(p + 1, (K - 1) b + p mod b + 1)
+    in all. Counted, as mean_attended_keys counts S^2 / 2 for a causal document, half a key
+    less per query: so with every block chosen (K b at least the longest document) this is
+    mean_attended_keys(cu_seqlens), and their difference is the keys the choice leaves out.
+    Exact where the query's own block is among its chosen (index_local_blocks >= 1, the
+    default); with index_local_blocks 0 the indexer may pass it over for a full block, and this
+    is a lower bound."""
+    check_positive_int("topk_blocks", topk_blocks)
+    check_positive_int("block_size", block_size)
+    cu = _offsets(cu_seqlens)
+    span = topk_blocks * block_size  # the keys a query sees before the choice leaves any out
+
+    def keys(n: int) -> float:  # summed over a document's n queries
+        m = min(n, span)
+        total = m * (m + 1) / 2  # the first K b queries: every earlier key
+        if n > span:  # then K - 1 full blocks and the own block's first p mod b + 1 keys
+            full, rest = divmod(n - span, block_size)
+            total += (n - span) * ((topk_blocks - 1) * block_size + 1) + full * block_size * (block_size - 1) / 2 + rest * (rest - 1) / 2
+        return total - n / 2
+
+    return sum(keys(b - a) for a, b in zip(cu, cu[1:])) / cu[-1]
+
+
 def _check_count(name: str, value, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, Real) or not minimum <= value < math.inf:
         raise ValueError(f"{name}: expected a finite number >= {minimum}, got {value!r}")
@@ -261,7 +288,7 @@ def linear_attention_flops(hidden: int, cfg) -> float:
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None,
                           n_avg_index_keys: Optional[float] = None, k: Optional[float] = None,
                           n_avg_compressed_keys: Optional[float] = None, n_avg_csa_entries: Optional[float] = None,
-                          n_avg_csa_chosen: Optional[float] = None) -> float:
+                          n_avg_csa_chosen: Optional[float] = None, n_avg_block_keys: Optional[float] = None) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
@@ -314,7 +341,17 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     required. With its loss (cfg.index_loss_coeff > 0) the indexer adds its compressor's
     weight gradients, 2 x 2 H 2 Di, and for each query's csa_topk chosen slots (fewer where a
     micro-batch has fewer than csa_topk runs) their scores twice (the loss recomputes them in
-    its backward) and their backward: 6 (q_rank Ni Di + H Ni) + 8 Ni (Di + 1) csa_topk."""
+    its backward) and their backward: 6 (q_rank Ni Di + H Ni) + 8 Ni (Di + 1) csa_topk.
+    Block-sparse attention (cfg.index_topk_blocks; the blocks of index_block_layers, every
+    one where None, and the MTP blocks) attends n_avg_block_keys keys per query
+    (mean_block_keys(cu_seqlens, index_topk_blocks, index_block_size); required) in place of
+    n_avg_keys, and its indexer (index_heads Ni of index_head_dim Di, no gradient to the
+    tokens) adds per block: trained (cfg.index_loss_coeff > 0) its key projection's forward and
+    dW, 4 H Di; its queries' forward for the choice, again in the loss, its recompute in the
+    backward and their dW, 8 H Ni Di; their products with every earlier key for the choice,
+    in the loss, recomputed, and their backward, 10 Ni Di n_avg_keys; and the attention's
+    probabilities over the kept keys (the loss's target), 2 n_heads head_dim n_avg_block_keys.
+    Not trained, its forward alone: 2 H (Ni Di + Di) + 2 Ni Di n_avg_keys."""
     from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
 
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -390,6 +427,23 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         else:  # not trained: the choice's forward alone, the projections and every key's products and their weighted sum
             indexer = blocks * (2 * weights + 2 * cfg.index_heads * (cfg.index_head_dim + 1) * n_avg_keys)
         n_avg_keys = n_avg_index_keys
+    if getattr(cfg, "index_topk_blocks", None) is not None:  # block-sparse attention: the chosen blocks' keys, and the indexer
+        if n_avg_block_keys is None:
+            raise ValueError(f"n_avg_block_keys: block-sparse attention attends to the keys of index_topk_blocks = {cfg.index_topk_blocks} blocks "
+                             f"of {cfg.index_block_size}: pass their mean (mean_block_keys(cu_seqlens, index_topk_blocks, index_block_size))")
+        _check_count("n_avg_block_keys", n_avg_block_keys)
+        _check_count("n_avg_keys", n_avg_keys)
+        parallel = getattr(cfg, "parallel_hybrid", False)  # attention beside the linear mixers: in those blocks too
+        is_linear, is_mixer_free = (getattr(cfg, n, lambda i: False) for n in ("is_linear", "is_mixer_free"))
+        blocks = sum(cfg.is_index_blocks(i) and not is_mixer_free(i) and (parallel or not is_linear(i)) for i in range(cfg.n_layers)) + cfg.mtp_depth
+        H, N, D, Ni, Di = cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.index_heads, cfg.index_head_dim
+        Dv = getattr(cfg, "v_head_dim", None) or D
+        per_block = 6 * N * (D + Dv) * (n_avg_block_keys - n_avg_keys)  # flops_per_token counts n_avg_keys for them
+        if cfg.index_loss_coeff > 0:
+            per_block += 4 * H * Di + 8 * H * Ni * Di + 10 * Ni * Di * n_avg_keys + 2 * N * D * n_avg_block_keys
+        else:
+            per_block += 2 * H * (Ni * Di + Di) + 2 * Ni * Di * n_avg_keys
+        indexer += blocks * per_block
     compressed = 0.0
     if getattr(cfg, "compress_layers", None):  # heavily compressed attention: the compressor's projections, the entries' scores and values
         if n_avg_compressed_keys is None:

@@ -562,6 +562,71 @@ def test_a_frozen_sparse_attention_indexer_counts_its_forward_alone():
         M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_index_keys=T, k=9)
 
 
+@pytest.mark.parametrize("coeff", [1.0, 0.0], ids=["trained", "frozen"])
+@pytest.mark.parametrize("layers", [None, (1,)], ids=["every block", "block 1"])
+def test_block_sparse_attention_counts_its_indexer(coeff, layers):
+    """MiniMax-M3's block-sparse attention (index_topk_blocks): its indexer was not counted at all
+    (its projections, every key's products for the choice, and with its loss their recompute,
+    backward and the target's probabilities: 24768 FLOPs a token here, 3.4%), nor the keys the
+    choice leaves out. Counted as torch.utils.flop_counter counts one forward + backward of the
+    dense reference (every key scored and attended: n_avg_keys = n_avg_block_keys = T), the
+    attention forced onto SDPA's math path (its fused CPU kernel with a 4-D mask escapes the
+    counter), in the blocks index_block_layers names and the MTP block. The kept keys' share
+    enters the attention's and the target's terms alone; without n_avg_block_keys the formula
+    names it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                            n_heads=4, n_kv_heads=2, head_dim=8, rope_dim=4, mtp_depth=1, impl="torch", index_topk_blocks=2, index_block_size=3,
+                            index_heads=2, index_head_dim=6, index_loss_coeff=coeff, index_block_layers=layers)
+    T = 24
+    model = Transformer(cfg)
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, 10, T]), cfg.mtp_depth)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        losses, _ = model(batch, model.context(batch))
+        sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
+    assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_block_keys=T)
+    blocks = 3 if layers is None else 2  # with the MTP block
+    kept = M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_block_keys=T - 5) - M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_block_keys=T)
+    assert kept == -5 * blocks * (6 * 4 * (8 + 8) + (2 * 4 * 8 if coeff else 0))  # the scores and values, the target's probabilities
+    with pytest.raises(ValueError, match=r"n_avg_block_keys: block-sparse attention attends to the keys of index_topk_blocks = 2 blocks of 3: "
+                                         r"pass their mean \(mean_block_keys"):
+        M.model_flops_per_token(cfg, n_avg_keys=T)
+    with pytest.raises(ValueError, match="n_avg_block_keys"):
+        M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_block_keys=-1.0)
+
+
+def test_mean_block_keys():
+    """Each query attends to min(p + 1, (K - 1) b + p mod b + 1) keys (its own block's first p mod
+    b + 1 and K - 1 full blocks), half a key less as mean_attended_keys counts: equal to it where
+    every block is chosen, against a plain count over random documents."""
+    import random
+
+    rng = random.Random(0)
+    assert M.mean_block_keys([0, 8], 2, 3) == sum(min(p + 1, 3 + p % 3 + 1) - 0.5 for p in range(8)) / 8 == (1 + 2 + 3 + 4 + 5 + 6 + 4 + 5 - 4) / 8
+    for _ in range(200):
+        K, b = rng.randint(1, 5), rng.randint(1, 6)
+        lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 4))]
+        if not sum(lengths):
+            continue
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        want = sum(min(p + 1, (K - 1) * b + p % b + 1) - 0.5 for n in lengths for p in range(n)) / cu[-1]
+        assert M.mean_block_keys(torch.tensor(cu), K, b) == pytest.approx(want, rel=1e-12, abs=0)
+        if K * b >= max(lengths):
+            assert M.mean_block_keys(cu, K, b) == M.mean_attended_keys(cu)
+    for args, name in (((0, 3), "topk_blocks"), ((2, 0), "block_size"), ((2.0, 3), "topk_blocks"), ((2, True), "block_size")):
+        with pytest.raises(ValueError, match=name):
+            M.mean_block_keys([0, 8], *args)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        M.mean_block_keys([], 2, 3)
+
+
 @pytest.mark.parametrize("name", list(COUNTED))
 def test_flops_per_token_matches_counted_matmuls(name):
     """torch.utils.flop_counter.FlopCounterMode on one forward + backward of a tiny
