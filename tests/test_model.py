@@ -1724,12 +1724,15 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         dataclasses.replace(TINY, index_loss_coeff=0.5)
     # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block with an indexer
     # (blocks 0 and 1, and the MTP block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of
-    # 6, H -> 4 head weights) and its scores over every earlier key (8 per query)
+    # 6, H -> 4 head weights) and its scores over every earlier key (8 per query) for the choice; its loss's queries and
+    # head weights again (recomputed, and dW), the key's dW, the 3 chosen slots' products (forward, recomputed, backward)
+    # and the attention's probabilities over the kept keys (its target; the tests of fmoe.train.metrics count them all)
     from fmoe.train.metrics import model_flops_per_token
 
     mla = dataclasses.replace(cfg, index_topk=None, index_heads=64, index_head_dim=128, index_shared_layers=None)
-    weights = 10 * 4 * 6 + 32 * 6 + 32 * 4
-    want = model_flops_per_token(mla, n_avg_keys=2.5) + 3 * (6 * weights + 6 * 4 * 6 * 8.0)
+    weights, wk = 10 * 4 * 6 + 32 * 6 + 32 * 4, 32 * 6
+    loss = 6 * (weights - wk) + 2 * wk + 8 * 4 * 7 * 3 + 2 * cfg.n_heads * cfg.head_dim * 2.5
+    want = model_flops_per_token(mla, n_avg_keys=2.5) + 3 * (2 * weights + 2 * 4 * 7 * 8.0 + loss)
     assert model_flops_per_token(cfg, n_avg_keys=8.0, n_avg_index_keys=2.5) == pytest.approx(want)
     with pytest.raises(ValueError, match="n_avg_index_keys: the blocks attend to at most index_topk = 3 keys"):
         model_flops_per_token(cfg, n_avg_keys=8.0)

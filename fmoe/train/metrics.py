@@ -313,11 +313,14 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     (a parallel hybrid's, cfg.parallel_hybrid, beside it: both).
     DeepSeek sparse attention (cfg.index_topk) attends n_avg_index_keys keys per query
     (mean_attended_keys(cu_seqlens, index_topk): at most index_topk; required), and its
-    indexer adds per block with one (trunk and MTP; not index_shared_layers) 6 x its projection weights and
-    6 index_heads index_head_dim n_avg_keys for its scores (every earlier key scored for the
-    choice, again for its loss, and the loss's backward); not trained (cfg.index_loss_coeff
-    0) its forward alone, 2 x its projection weights and 2 index_heads (index_head_dim + 1)
-    n_avg_keys (the products and their weighted sum).
+    indexer (index_heads Ni of index_head_dim Di) adds per block with one (trunk and MTP; not
+    index_shared_layers) its choice's forward, 2 x its projection weights and 2 Ni (Di + 1)
+    n_avg_keys (every earlier key's products and their weighted sum); trained
+    (cfg.index_loss_coeff > 0) its loss too: the queries' and head weights' projections again,
+    recomputed in the backward and their dW, 6 x theirs, the keys' dW, 2 x index_wk's; the
+    index_topk chosen slots' products and weighted sums, recomputed, and their backward,
+    8 Ni (Di + 1) index_topk (every slot of the choice, as the loss computes them); and the
+    target, the attention's probabilities over the kept keys, 2 n_heads head_dim n_avg_index_keys.
     The router counts its n_choices outputs (cfg.n_choices where the model has zero experts,
     else n_experts). k: the mean computing experts per token where it is not cfg.k (with
     zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads).
@@ -420,12 +423,16 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                              "attended keys (mean_attended_keys(cu_seqlens, index_topk))")
         _check_count("n_avg_index_keys", n_avg_index_keys)
         _check_count("n_avg_keys", n_avg_keys)
-        weights = sum(a * b for a, b in (shape for shape in index_shapes(cfg.hidden, cfg.attention_config()).values() if len(shape) == 2))
+        shapes = index_shapes(cfg.hidden, cfg.attention_config())
+        weights = sum(a * b for a, b in (shape for shape in shapes.values() if len(shape) == 2))
         blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer (no mixer-free ones)
-        if getattr(cfg, "index_loss_coeff", 1.0) > 0:
-            indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
-        else:  # not trained: the choice's forward alone, the projections and every key's products and their weighted sum
-            indexer = blocks * (2 * weights + 2 * cfg.index_heads * (cfg.index_head_dim + 1) * n_avg_keys)
+        Ni, Di = cfg.index_heads, cfg.index_head_dim
+        indexer = 2 * weights + 2 * Ni * (Di + 1) * n_avg_keys  # the choice's forward: the projections, every key's products and their weighted sum
+        if getattr(cfg, "index_loss_coeff", 1.0) > 0:  # its loss: the queries and head weights again, recomputed and their dW, the keys' dW;
+            # the chosen keys' products and weighted sums, recomputed and their backward; the target's attention probabilities
+            wk = math.prod(shapes["index_wk"])
+            indexer += 6 * (weights - wk) + 2 * wk + 8 * Ni * (Di + 1) * cfg.index_topk + 2 * cfg.n_heads * cfg.head_dim * n_avg_index_keys
+        indexer *= blocks
         n_avg_keys = n_avg_index_keys
     if getattr(cfg, "index_topk_blocks", None) is not None:  # block-sparse attention: the chosen blocks' keys, and the indexer
         if n_avg_block_keys is None:
