@@ -47,6 +47,9 @@ from fmoe.ops.backend import use_triton
 from fmoe.ops.checks import check_float
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch.optim.AdamW's flags that this AdamW does not implement, with the value it assumes
+_UNSUPPORTED_FLAGS = dict(maximize=False, amsgrad=False, decoupled_weight_decay=True)
 _ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows
 CHUNK = 65536  # elements per program
 _META = dict(BLOCK=1024, num_warps=4)  # elements per loop iteration of a program
@@ -297,7 +300,7 @@ def _torch_rounds_factor(device: torch.device) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
-def _check_number(name: str, value, expected: str, ok: Callable[[float], bool]) -> None:
+def check_number(name: str, value, expected: str, ok: Callable[[float], bool]) -> None:
     """ValueError naming `name` unless value is a finite real number (not a bool, not a
     tensor: the step's foreach ops and kernels take a number) for which ok(value) holds."""
     if isinstance(value, torch.Tensor):  # float(lr) would read it on the host every step
@@ -311,13 +314,13 @@ def check_hyperparameters(group: dict) -> None:
     betas two values in [0, 1), eps > 0, weight_decay >= 0, each a finite number (NaN, inf,
     strings and tensors fail). Plain Python: step() runs it on every group, reading nothing
     on the host."""
-    _check_number("lr", group["lr"], "a finite learning rate >= 0", lambda v: v >= 0.0)
+    check_number("lr", group["lr"], "a finite learning rate >= 0", lambda v: v >= 0.0)
     betas = group["betas"]
     if (isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2
             or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"betas: expected two values in [0, 1), got {betas!r}")
-    _check_number("eps", group["eps"], "a finite eps > 0", lambda v: v > 0.0)
-    _check_number("weight_decay", group["weight_decay"], "a finite weight_decay >= 0", lambda v: v >= 0.0)
+    check_number("eps", group["eps"], "a finite eps > 0", lambda v: v > 0.0)
+    check_number("weight_decay", group["weight_decay"], "a finite weight_decay >= 0", lambda v: v >= 0.0)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -331,8 +334,14 @@ class AdamW(torch.optim.Optimizer):
             torch.bfloat16 (half the state memory; the update is still float32).
         master_weights: keep a float32 copy of each non-float32 parameter in the state
             ("master"), update it and round it into the parameter. A loaded state follows
-            this setting, not the saved one (load_state_dict).
+            this setting, not the saved one (load_state_dict). From its first step the
+            master is the parameter's value: an in-place edit of the parameter (p.copy_)
+            is overwritten by the next step; to change a parameter, change
+            state[p]["master"] too (or load a state dict).
         impl: "auto" (Triton on CUDA, torch._foreach otherwise), "triton" or "torch".
+
+    Parameters are float32, bfloat16 or float16 (the step works in float32), each in the
+    optimizer once.
     """
 
     def __init__(
@@ -367,9 +376,25 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Checks the group's own lr, betas, eps and weight_decay as the constructor checks
-        its defaults (a ValueError naming the first bad one), then adds it."""
+        its defaults (a ValueError naming the first bad one) and its parameters (float32,
+        bfloat16 or float16, each in the optimizer once), then adds it."""
         check_hyperparameters({**self.defaults, **param_group})
-        super().add_param_group(param_group)
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # a set: torch's TypeError (unordered)
+            params = list(params)
+        seen = {id(q) for g in self.param_groups for q in g["params"]}
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                continue  # torch's TypeError
+            if p.dtype not in PARAM_DTYPES:  # complex lost its imaginary part, int64 was truncated, float64 rounded
+                raise ValueError(f"params: expected float32, bfloat16 or float16 parameters (the step works in float32; "
+                                 f"torch.optim.AdamW takes float64), got {p.dtype} (a parameter of shape {tuple(p.shape)})")
+            if id(p) in seen:  # torch only warns within a group, and the step updated p twice
+                raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
+            seen.add(id(p))
+        super().add_param_group({**param_group, "params": params})
 
     def _wants_master(self, p: torch.Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
@@ -389,21 +414,40 @@ class AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts floating state to the parameter's dtype; here the moments
-        keep state_dtype and the master float32 (bf16 moments load bit for bit).
+        keep state_dtype and the master float32 (bf16 moments load bit for bit), and the
+        step count is copied (torch's loader keeps the saved tensor, which the steps would
+        then advance in place).
 
         The masters follow this optimizer's master_weights, not the saved state's: a saved
         master is dropped where master_weights is False (or the parameter is float32), the
         parameter then carrying on from its own value (the master rounded, as saved); a
-        missing one is made from the parameter at the next step, as a fresh state's is."""
-        super().load_state_dict(state_dict)
-        self._steps = {}  # read again from the loaded state["step"] at the next step
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        missing one is made from the parameter at the next step, as a fresh state's is.
+
+        ValueError, before anything changes, for a saved exp_avg, exp_avg_sq or master whose
+        shape is not its parameter's, and for a param group with maximize=True,
+        amsgrad=True or decoupled_weight_decay=False (torch.optim.Adam's state), which this
+        AdamW does not implement. torch.optim.AdamW's own state dicts load."""
+        saved_groups = state_dict["param_groups"]
+        for n, group in enumerate(saved_groups):
+            for key, value in _UNSUPPORTED_FLAGS.items():
+                if group.get(key, value) != value:
+                    raise ValueError(f"state_dict: param group {n} has {key}={group[key]!r}, which this AdamW does not implement")
+        saved_ids = [i for group in saved_groups for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
+        for i, p in zip(saved_ids, params):  # a mismatch of group sizes: torch's ValueError below
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key in dtypes and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ValueError(f"state_dict: expected {key} of parameter {i} to have the parameter's shape "
+                                     f"{tuple(p.shape)}, got {tuple(value.shape)}")
+        super().load_state_dict(state_dict)
+        self._steps = {}  # read again from the loaded state["step"] at the next step
         for i, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(i, {}).items():
                 if key in dtypes:
                     self.state[p][key] = value.to(device=p.device, dtype=dtypes[key], copy=True)
+                elif key == "step":  # a fresh CPU tensor: step() fills it in place
+                    self.state[p][key] = torch.as_tensor(value, dtype=torch.float32, device="cpu").clone()
             if not self._wants_master(p) and p in self.state:
                 self.state[p].pop("master", None)
 

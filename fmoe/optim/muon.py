@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.ops.backend import local_tensor as _local
 from fmoe.ops.experts import EXPERT_BIASES
+from fmoe.optim.adamw import check_number
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
@@ -79,13 +80,16 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: 
     Leading dims are a batch: each [m, n] slice is normalised and orthogonalised on its own.
     Computes in `dtype` (bfloat16 as in modded-nanogpt; torch.float32 for checks) and returns
     G's dtype. Singular values of the result lie near, not at, 1 (see the module docstring).
+    G must be real floating point (ValueError otherwise); steps an int >= 1.
 
         O = newton_schulz(torch.randn(4, 32, 16))   # 4 matrices, each with O^T O ~ I
     """
     if not isinstance(G, torch.Tensor) or G.ndim < 2:
         raise ValueError(f"G: expected a tensor [..., m, n] with at least 2 dims, got {getattr(G, 'shape', type(G).__name__)}")
-    if steps < 1:
-        raise ValueError(f"steps: expected >= 1, got {steps}")
+    if not G.is_floating_point():  # an int64 G came back as zeros, a complex one lost its imaginary part
+        raise ValueError(f"G: expected a floating-point tensor, got {G.dtype}")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
     a, b, c = NS_COEFFS
     X = G.to(dtype)
     tall = G.shape[-2] > G.shape[-1]
@@ -129,17 +133,15 @@ def apply_update(w: torch.Tensor, update: torch.Tensor, *, lr: float, weight_dec
 
 
 def check_hyperparameters(group: dict) -> None:
-    """ValueError naming the first bad hyperparameter of a Muon param group (lr,
-    momentum, nesterov, weight_decay, ns_steps, scale, ns_dtype; NaN fails each); shared
-    with fmoe.parallel's DistributedMuon."""
-    if not group["lr"] >= 0:
-        raise ValueError(f"lr: expected >= 0, got {group['lr']}")
-    if not 0 <= group["momentum"] < 1:
-        raise ValueError(f"momentum: expected in [0, 1), got {group['momentum']}")
+    """ValueError naming the first bad hyperparameter of a Muon param group: lr >= 0,
+    momentum in [0, 1), weight_decay >= 0, each a finite number (NaN, inf, strings, bools
+    and tensors fail); nesterov a bool, ns_steps an int >= 1, scale, ns_dtype. Plain
+    Python: step() runs it on every group. Shared with fmoe.parallel's DistributedMuon."""
+    check_number("lr", group["lr"], "a finite learning rate >= 0", lambda v: v >= 0.0)
+    check_number("momentum", group["momentum"], "a finite momentum in [0, 1)", lambda v: 0.0 <= v < 1.0)
     if not isinstance(group["nesterov"], bool):  # "no" is truthy: it stepped as nesterov=True
         raise ValueError(f"nesterov: expected True or False, got {group['nesterov']!r}")
-    if not group["weight_decay"] >= 0:
-        raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
+    check_number("weight_decay", group["weight_decay"], "a finite weight_decay >= 0", lambda v: v >= 0.0)
     steps = group["ns_steps"]
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"ns_steps: expected an int >= 1, got {steps!r}")
@@ -151,7 +153,8 @@ def check_hyperparameters(group: dict) -> None:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for matrix parameters (ndim >= 2; leading dims of a stack are a batch of matrices).
+    """Muon for matrix parameters (ndim >= 2; leading dims of a stack are a batch of matrices;
+    real floating point, each in the optimizer once).
 
     Args:
         params: tensors or param-group dicts; each group may override any keyword below.
@@ -184,6 +187,8 @@ class Muon(torch.optim.Optimizer):
             if id(p) in seen:  # torch only warns within a group, and the step updated p twice
                 raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
             seen.add(id(p))
+            if not p.is_floating_point():  # a complex gradient's imaginary part was dropped, int64 failed at step
+                raise ValueError(f"params: expected floating-point parameters, got {p.dtype} (a parameter of shape {tuple(p.shape)})")
             if p.ndim < 2:
                 raise ValueError(f"params: Muon takes matrices (ndim >= 2), got shape {tuple(p.shape)}; give it to AdamW")
             if isinstance(p, DTensor) and any(isinstance(pl, Shard) and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements):
@@ -194,11 +199,20 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One update of every parameter with a gradient (the others keep their values and
         momentum). closure: as for any torch optimizer, re-evaluates the model (with grad
-        enabled) before the step; its loss is returned (None without one)."""
+        enabled) before the step; its loss is returned (None without one).
+
+        Every group's hyperparameters are checked first, as add_param_group checks them (a
+        value set on a group later included): a ValueError naming the first bad one, before
+        the closure runs or anything changes. A sparse gradient: RuntimeError, before any
+        parameter changes."""
+        for group in self.param_groups:
+            check_hyperparameters(group)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(p.grad is not None and p.grad.is_sparse for group in self.param_groups for p in group["params"]):
+            raise RuntimeError("Muon does not support sparse gradients")
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:

@@ -359,7 +359,11 @@ class DistributedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """Update every parameter with a gradient: local ones now, owned ones when waited on."""
+        """Update every parameter with a gradient: local ones now, owned ones when waited on.
+        Every group's hyperparameters are checked first (fmoe.optim.muon.check_hyperparameters),
+        before the closure runs or anything changes."""
+        for group in self.param_groups:
+            check_hyperparameters(group)
         self.wait()
         loss = None
         if closure is not None:

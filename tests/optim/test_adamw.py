@@ -370,3 +370,82 @@ def test_steps_read_no_tensor_on_the_host_after_the_first():
         fresh.step()
     assert r.count == 1
     assert fresh.state[w]["step"].item() == 4.0  # the count goes on from the loaded state
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.int64])
+def test_params_of_other_dtypes_are_refused(dtype):
+    """The step works in float32: a complex parameter lost its imaginary part, an int64 one
+    was truncated, a float64 one rounded to float32 every step."""
+    message = rf"^params: expected float32, bfloat16 or float16 parameters .*got {dtype} \(a parameter of shape \(2, 3\)\)"
+    with pytest.raises(ValueError, match=message):
+        AdamW([torch.zeros(2), torch.zeros(2, 3, dtype=dtype)])
+    opt = AdamW([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ValueError, match=message):  # a group added later
+        opt.add_param_group({"params": torch.zeros(2, 3, dtype=dtype)})
+    assert len(opt.param_groups) == 1
+    AdamW([torch.zeros(2, dtype=d, requires_grad=True) for d in (torch.float32, torch.bfloat16, torch.float16)])
+
+
+def test_a_parameter_twice_is_refused():
+    """AdamW([p, p]) stepped p twice per step (torch only warns)."""
+    p, q = torch.zeros(3, 4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^params: a parameter of shape \(3, 4\) appears twice"):
+        AdamW([p, q, p])
+    opt = AdamW([p])
+    with pytest.raises(ValueError, match=r"^params: a parameter of shape \(3, 4\) appears twice"):  # across groups
+        opt.add_param_group({"params": [q, p]})
+    assert len(opt.param_groups) == 1
+
+
+def _stepped(shape=(2, 3), steps=1, **kwargs):
+    w = torch.nn.Parameter(torch.ones(shape))
+    opt = AdamW([w], lr=1e-2, **kwargs)
+    for _ in range(steps):
+        w.grad = torch.full(shape, 0.5)
+        opt.step()
+    return w, opt
+
+
+def test_one_state_dict_loads_twice():
+    """torch's loader keeps the saved step tensor, which the steps then advanced in place:
+    a second load of the same dict started from the first one's count."""
+    _, opt = _stepped(steps=3)
+    saved = opt.state_dict()
+    for _ in range(2):
+        w, resumed = _stepped(steps=0)
+        resumed.load_state_dict(saved)
+        for _ in range(2):
+            w.grad = torch.full((2, 3), 0.5)
+            resumed.step()
+        assert resumed.state[w]["step"].item() == 5.0
+    assert saved["state"][0]["step"].item() == 3.0
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "master"])
+def test_load_refuses_a_state_of_another_shape(key):
+    """It failed at step(), deep in torch, after part of the state had changed."""
+    _, opt = _stepped(master_weights=True)
+    saved = opt.state_dict()
+    saved["state"][0][key] = torch.zeros(5, 3)
+    w, fresh = _stepped(steps=0, master_weights=True)
+    with pytest.raises(ValueError, match=rf"^state_dict: expected {key} of parameter 0 to have the parameter's shape \(2, 3\), got \(5, 3\)"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state and fresh.param_groups[0]["lr"] == 1e-2  # nothing loaded
+
+
+@pytest.mark.parametrize("make, key, value", [
+    (lambda ps: torch.optim.AdamW(ps, maximize=True), "maximize", True),
+    (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad", True),
+    (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), "decoupled_weight_decay", False),
+])
+def test_load_refuses_flags_this_adamw_ignores(make, key, value):
+    """A state of torch.optim.AdamW(maximize=True) loaded and then stepped as a plain one."""
+    w = torch.nn.Parameter(torch.ones(3))
+    theirs = make([w])
+    w.grad = torch.ones(3)
+    theirs.step()
+    with pytest.raises(ValueError, match=rf"^state_dict: param group 0 has {key}={value}, which this AdamW does not implement"):
+        AdamW([w]).load_state_dict(theirs.state_dict())
+    plain = torch.optim.AdamW([w])
+    plain.step()
+    AdamW([w]).load_state_dict(plain.state_dict())  # torch.optim.AdamW's defaults load

@@ -408,3 +408,54 @@ def test_split_param_groups_for_adamw_only_and_undecayed_embeddings():
                             id(model["embed"].weight), id(model["lm_head"].weight)}
     muon, adamw = split_param_groups(model, decay_embeddings=False)  # with Muon: the heads stay in AdamW, undecayed
     assert _ids(muon)[0] == {id(model["proj"].weight)} and len(adamw) == 1
+
+
+# -----------------------------------------------------------------------------
+# Refusals
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(lr=float("inf")), "lr"), (dict(weight_decay=float("inf")), "weight_decay"),  # accepted: the weights went inf
+    (dict(lr="0.02"), "lr"), (dict(momentum="0.9"), "momentum"), (dict(weight_decay=None), "weight_decay"),  # TypeErrors
+    (dict(lr=True), "lr"), (dict(lr=torch.tensor(0.02)), "lr"), (dict(momentum=float("nan")), "momentum"),
+])
+def test_hyperparameters_must_be_finite_numbers(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        Muon([torch.zeros(3, 3, requires_grad=True)], **kwargs)
+
+
+@pytest.mark.parametrize("name, value", [("lr", float("nan")), ("momentum", 1.5), ("weight_decay", -1.0), ("ns_steps", 0)])
+def test_hyperparameters_set_later_are_checked_at_step(name, value):
+    """A value set on a group after it was added was used unchecked (NaN lr: NaN weights)."""
+    w = torch.ones(3, 4, requires_grad=True)
+    opt = Muon([w])
+    opt.param_groups[0][name] = value
+    w.grad = torch.ones(3, 4)
+    calls = []
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        opt.step(lambda: calls.append(1))
+    assert not calls and torch.equal(w.detach(), torch.ones(3, 4)) and not opt.state
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+def test_non_floating_params_are_refused(dtype):
+    """A complex gradient's imaginary part was dropped; an int64 parameter failed at step."""
+    with pytest.raises(ValueError, match=rf"^params: expected floating-point parameters, got {dtype} \(a parameter of shape \(2, 3\)\)"):
+        Muon([torch.zeros(2, 3, dtype=dtype)])
+
+
+def test_sparse_gradient_is_refused_before_any_update():
+    dense, sparse = torch.ones(3, 4, requires_grad=True), torch.ones(5, 3, requires_grad=True)
+    opt = Muon([dense, sparse])
+    dense.grad, sparse.grad = torch.ones(3, 4), torch.ones(5, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="^Muon does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(dense.detach(), torch.ones(3, 4)) and not opt.state
+
+
+def test_newton_schulz_refuses_non_floating_input_and_bad_steps():
+    for G in (torch.ones(3, 3, dtype=torch.int64), torch.ones(3, 3, dtype=torch.complex64)):  # int64 gave zeros
+        with pytest.raises(ValueError, match=f"^G: expected a floating-point tensor, got {G.dtype}"):
+            newton_schulz(G)
+    for steps in (True, 2.5, "5"):
+        with pytest.raises(ValueError, match="^steps: expected an int >= 1"):
+            newton_schulz(torch.randn(3, 3), steps=steps)

@@ -515,3 +515,13 @@ def test_bad_params_and_model():
         DistributedMuon([w], model=nn.Linear(3, 3))
     with pytest.raises(ValueError, match="param"):
         DistributedMuon([w]).owner_of(torch.zeros(2, 2))
+
+
+def test_hyperparameters_set_later_are_checked_at_step():
+    w = nn.Parameter(torch.ones(3, 3))
+    opt = DistributedMuon([w])
+    opt.param_groups[0]["lr"] = float("nan")
+    w.grad = torch.ones(3, 3)
+    with pytest.raises(ValueError, match="^lr: expected"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.ones(3, 3)) and not opt.state
