@@ -127,7 +127,7 @@ from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, hash_route, load_balancing_loss, random_logits, route, sparsemixer_route
 from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
-from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
+from fmoe.ops.checks import check_bools, check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_matmul, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu, relu)
@@ -996,8 +996,13 @@ class AttentionConfig:
         self._check_out_groups()
         self._check_kv_shared()
         self._check_compress()
-        if not isinstance(self.zero_centered_norms, bool):
-            raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
+        # a "False" read from a config turned reversed and qk_norm_after_rope on; a NaN or negative eps made every norm NaN
+        check_bools(zero_centered_norms=self.zero_centered_norms, interleaved=self.interleaved, reversed=self.reversed,
+                    qk_norm_after_rope=self.qk_norm_after_rope)
+        for name in ("norm_eps", "latent_norm_eps"):
+            eps = getattr(self, name)
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+                raise ValueError(f"{name}: expected a positive finite number, got {eps!r}")
         if self.rot_dim is not None and (isinstance(self.rot_dim, bool) or not isinstance(self.rot_dim, int) or self.rot_dim < 2):
             raise ValueError(f"rot_dim: expected an even int >= 2, or None (every channel; rope=False rotates none), got {self.rot_dim!r}")
         # what attention() and attention_context() would refuse at their first call, refused here
@@ -1437,6 +1442,9 @@ class AttentionContext:
     token_index, kv_index: attention_context's (the queries' [T] and the mask's columns' [S]
         indices, context parallel and decoding), which ALiBi's distances (attention's
         params["alibi"]) are taken between; None: 0 ... T - 1, the context's own tokens.
+    rope: the RoPE knobs cos and sin were made from (attention_context's cfg: rope_base,
+        YaRN's, Llama 3's, LongRoPE's, linear_factor, rope_proportion, reversed, as (name,
+        value) pairs), which a global layer's must equal; None: not checked.
     compressed: decoding a heavily compressed attention layer (AttentionConfig.compress_rate):
         compressed(c [T, D], g [T, D], entries) -> (entries [S, D], keep [T, S]), the new
         tokens' compressor inputs (compressor_inputs) in, every cached entry and which query
@@ -1470,6 +1478,18 @@ class AttentionContext:
     token_index: Optional[torch.Tensor] = None
     kv_index: Optional[torch.Tensor] = None
     compressed: Optional[Callable] = None
+    rope: Optional[tuple] = None
+
+
+# the knobs cos and sin are made from (rope_tables), the width aside (checked by the tables' shape)
+_ROPE_KNOBS = ("rope_base", "reversed", "rope_proportion", "linear_factor", "llama3_factor", "llama3_low_freq_factor",
+               "llama3_high_freq_factor", "llama3_original_max_positions", "yarn_factor", "yarn_original_max_positions", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "longrope_short_factors", "longrope_long_factors",
+               "longrope_original_max_positions", "longrope_short_scale", "longrope_long_scale")
+
+
+def _rope_knobs(cfg: AttentionConfig) -> tuple:
+    return tuple((name, getattr(cfg, name)) for name in _ROPE_KNOBS)
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -1699,6 +1719,8 @@ def attention_context(
         values (cfg.kv_shared, DeepSeek-V4's layers); the dense [T, T] mask otherwise
         ([T/cp, T] under context parallel).
     """
+    if not isinstance(cfg, AttentionConfig):
+        raise ValueError(f"cfg: expected an AttentionConfig, got {type(cfg).__name__}")
     check_index("cu_seqlens", cu_seqlens, 1, "[n_seqs + 1]")
     check_index("positions", positions, 1, "[T]")
     if cu_seqlens.device != positions.device:
@@ -1754,7 +1776,7 @@ def attention_context(
                             index_choices={} if cfg.index_topk is not None else None,
                             key_order=torch.argsort(kv_index) if (cfg.index_topk is not None or cfg.index_topk_blocks is not None)
                             and kv_index is not None else None,
-                            token_index=token_index, kv_index=kv_index)
+                            token_index=token_index, kv_index=kv_index, rope=_rope_knobs(cfg))
 
 
 def _sequence_lengths(cu_seqlens: torch.Tensor, positions: torch.Tensor, token_index: Optional[torch.Tensor], linear_cp) -> torch.Tensor:
@@ -2031,6 +2053,10 @@ def index_shapes(H: int, cfg: AttentionConfig) -> dict:
 
 def _check_attention(x_TH, params, cfg, ctx) -> None:
     check_float("x", x_TH, 2, "[T, H]")
+    if not isinstance(cfg, AttentionConfig):
+        raise ValueError(f"cfg: expected an AttentionConfig, got {type(cfg).__name__}")
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params: expected a dict of tensors (wq, wk, wv, wo, ...), got {type(params).__name__}")
     T, H = x_TH.shape
     N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim  # N % G == 0: AttentionConfig checks it
     if cfg.kv_rank is not None:
@@ -2059,8 +2085,9 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
               "alibi": (N,)}
     for name, shape in extras.items():
         w = params.get(name)
-        if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
-            kind = x_TH.dtype if name == "wg" else "a float"
+        own = name in ("wg", "bo")  # in x's dtype: a float32 bo made y float32
+        if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (own and w.dtype != x_TH.dtype)):
+            kind = x_TH.dtype if own else "a float"
             raise ValueError(f"params['{name}']: expected {kind} {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
     if params.get("bg") is not None and params.get("wg") is None:
         raise ValueError("params['bg']: the output gate's bias per head, needs its weight wg")
@@ -2091,8 +2118,10 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
             raise ValueError(f"params['{name}_bias']: expected {'a bias' if cfg.qk_norm_bias else 'none'} with cfg.qk_norm_bias = {cfg.qk_norm_bias}")
     for name, shape in optional.items():
         w = params.get(name)
-        if w is not None and tuple(w.shape) != shape:
-            raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
+        if w is not None and (tuple(w.shape) != shape or (name in ("bq", "bk", "bv") and w.dtype != x_TH.dtype)):
+            # the biases in x's dtype: a float32 bq made the queries float32, which SDPA refused beside bf16 keys
+            raise ValueError(f"params['{name}']: expected {x_TH.dtype if name in ('bq', 'bk', 'bv') else 'a'} {list(shape)} tensor, "
+                             f"got {w.dtype} {list(w.shape)}")
     compress = compress_shapes(H, cfg)  # heavily compressed attention's compressor
     if compress and params.get("alibi") is not None:
         raise ValueError("params['alibi']: ALiBi's distances are the keys', not heavily compressed attention's entries (cfg.compress_rate)")
@@ -2197,6 +2226,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                              "(build the context with the layer's AttentionConfig)")
         ctx = dataclasses.replace(ctx, cos=ctx.local_cos, sin=ctx.local_sin)
         _check_ctx(ctx, x.shape[0], rot)
+    if cfg.rope and not local and ctx.rope is not None and ctx.rope != _rope_knobs(cfg):  # the tables of other knobs rotated silently
+        name, built = next((n, v) for (n, v), (_, own) in zip(ctx.rope, _rope_knobs(cfg)) if v != own)
+        raise ValueError(f"ctx: built with {name} = {built!r}, this layer's is {getattr(cfg, name)!r} (build the context with the layer's "
+                         "AttentionConfig)")
     if cfg.temperature_floor is not None and ctx.positions is None:
         raise ValueError("ctx: has no positions for cfg.temperature_floor's query scales (build it with attention_context)")
     if ctx.latents not in (None, "absorbed", "expanded"):

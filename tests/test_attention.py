@@ -366,8 +366,36 @@ def test_attention_bad_inputs():
         attention(x, p, CFG, ctx, heads_mean=2.0)
     with pytest.raises(ValueError, match=r"params\['sinks'\]: expected a float \[4\] tensor or none, got torch.float32 \[2\]"):
         attention(x, dict(p, sinks=torch.zeros(2)), CFG, ctx)
-    with pytest.raises(ValueError, match=r"params\['bo'\]: expected a float \[32\] tensor or none, got torch.int64 \[32\]"):
+    with pytest.raises(ValueError, match=r"params\['bo'\]: expected torch.float32 \[32\] tensor or none, got torch.int64 \[32\]"):
         attention(x, dict(p, bo=torch.zeros(H, dtype=torch.long)), CFG, ctx)
+    # the biases in x's dtype: a float32 bo made a bf16 layer's output float32, a float32 bq an error from SDPA
+    xb, pb = x.bfloat16(), {name: w.bfloat16() for name, w in p.items()}
+    for name, n in (("bo", H), ("bq", 4 * 16), ("bk", 2 * 16), ("bv", 2 * 16)):
+        with pytest.raises(ValueError, match=rf"params\['{name}'\]: expected torch.bfloat16 \[{n}\] tensor.*, got torch.float32 \[{n}\]"):
+            attention(xb, dict(pb, **{name: torch.zeros(n)}), CFG, ctx)
+    assert attention(xb, dict(pb, bo=torch.zeros(H, dtype=torch.bfloat16), bq=torch.zeros(4 * 16, dtype=torch.bfloat16)), CFG, ctx)[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"^params: expected a dict of tensors \(wq, wk, wv, wo, ...\), got list"):
+        attention(x, list(p.values()), CFG, ctx)
+    for fn in (lambda cfg: attention(x, p, cfg, ctx), lambda cfg: _ctx(cu, cfg)):
+        with pytest.raises(ValueError, match="^cfg: expected an AttentionConfig, got dict"):
+            fn(dataclasses.asdict(CFG))
+    # flags and eps read from a config: "False" turned reversed and qk_norm_after_rope on, a negative or NaN eps made NaN
+    for name, value in (("reversed", "False"), ("qk_norm_after_rope", "False"), ("interleaved", 0)):
+        with pytest.raises(ValueError, match=f"^{name}: expected a bool, got {value!r}"):
+            dataclasses.replace(CFG, qk_norm="head", **{name: value})
+    for name in ("norm_eps", "latent_norm_eps"):
+        for value in (-1.0, float("nan"), 0, "1e-6"):
+            with pytest.raises(ValueError, match=f"^{name}: expected a positive finite number, got {value!r}"):
+                dataclasses.replace(CFG, **{name: value})
+    # a global layer's RoPE knobs must be its context's: the tables of another base, scaling or direction rotated silently
+    for knobs in (dict(rope_base=500000.0), dict(linear_factor=4.0), dict(reversed=True), dict(yarn_factor=4.0, yarn_original_max_positions=4)):
+        name = next(iter(knobs))
+        with pytest.raises(ValueError, match=f"^ctx: built with {name} = {getattr(CFG, name)!r}, this layer's is {knobs[name]!r} "):
+            attention(x, p, dataclasses.replace(CFG, **knobs), ctx)
+    local = dataclasses.replace(CFG, window=4)  # a local layer reads its window's context (checked above), not the RoPE knobs
+    attention(x, p, dataclasses.replace(local, rope_base=500000.0), _ctx(cu, local))
+    nope = dataclasses.replace(CFG, rope=False, rope_base=500000.0)  # nor a layer without RoPE
+    attention(x, p, nope, ctx)
     # a sliding-window layer needs a context built for its window
     with pytest.raises(ValueError, match="ctx: built for the sliding window None and chunk None, this layer attends over window 4"):
         attention(x, p, dataclasses.replace(CFG, window=4), ctx)
