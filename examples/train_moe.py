@@ -559,7 +559,9 @@ def main(argv: list[str]) -> None:
         try:
             extra = checkpoint.load(path, model=parts, optimizers=optimizers)
         except (FileNotFoundError, ValueError) as err:  # a model of other knobs than the saved one's, a damaged checkpoint
-            sys.exit(f"--resume: {err}")
+            damaged = "could not be read" in str(err)  # --resume reads the newest complete one: how to take an earlier one
+            sys.exit(f"--resume: {err}" + (f"\n--resume starts from the newest checkpoint in {cfg.out_dir}: to resume from an earlier one, "
+                                           f"move {path.name} out of it" if damaged else ""))
         for opt, opt_knobs in zip(optimizers, knobs):
             for group, group_knobs in zip(opt.param_groups, opt_knobs):
                 params = group["params"]

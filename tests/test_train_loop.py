@@ -116,6 +116,13 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert "--init_from: path: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
     assert "the saving run's model has zero_experts=0 (here 2)" in run.stderr, run.stderr[-3000:]
+    # a damaged newest checkpoint: refused, saying how to resume from an earlier one
+    data = next((parts / "step_000010").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    run = _train(parts, "--steps=12", "--resume")
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "step_000010' could not be read" in run.stderr and (f"--resume starts from the newest checkpoint in {parts}: to resume from an earlier "
+                                                              "one, move step_000010 out of it") in run.stderr, run.stderr[-3000:]
 
 
 def test_deterministic_runs_repeat_bit_for_bit(tmp_path):

@@ -109,6 +109,7 @@ def _out_dir(out_dir) -> Path:
 # "param_groups.blocks.0.attn.wq.lr"), not by group index: the same keys whatever the
 # grouping and however the model is split into pipeline chunks
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_FRESH = "fresh_optimizers.json"  # the indices of the optimizers saved before their first step
 
 
 def _models(model) -> list[torch.nn.Module]:
@@ -123,16 +124,16 @@ def _models(model) -> list[torch.nn.Module]:
 def _pairs(models, optimizers) -> list[tuple[torch.nn.Module, list]]:
     """Each model with the optimizers of its parameters (an optimizer belongs to the one
     model holding all its parameters); ValueError for an optimizer of none."""
-    if len(models) == 1:
+    if len(models) == 1 and dist.is_initialized():  # sharded (FSDP, ep): DCP pairs the one model's parameters itself
         return [(models[0], list(optimizers))]
     owned = [{id(p) for p in m.parameters()} for m in models]
     pairs = [(m, []) for m in models]
     for i, opt in enumerate(optimizers):
         ids = {id(p) for group in opt.param_groups for p in group["params"]}
         owner = next((j for j, o in enumerate(owned) if ids <= o), None)
-        if owner is None:
-            raise ValueError(f"optimizers[{i}]: its parameters are not all in one of the {len(models)} models (pipeline chunks): "
-                             "build one optimizer per chunk")
+        if owner is None:  # one model: an optimizer of another module's parameters (DCP's KeyError 0 before)
+            where = "the model's" if len(models) == 1 else f"in one of the {len(models)} models (pipeline chunks): build one optimizer per chunk"
+            raise ValueError(f"optimizers[{i}]: its parameters are not all {where}")
         pairs[owner][1].append(opt)
     return pairs
 
@@ -156,7 +157,10 @@ def _state(pairs) -> tuple[dict, list[tuple[dict, dict]]]:
 def _optimizers(optimizers) -> list[torch.optim.Optimizer]:
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
-    optimizers = list(optimizers)
+    try:
+        optimizers = list(optimizers)
+    except TypeError:  # None: "'NoneType' object is not iterable" before
+        raise ValueError(f"optimizers: expected a list of torch.optim.Optimizer ([] for none), got {type(optimizers).__name__}") from None
     if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise ValueError(f"optimizers: expected a list of torch.optim.Optimizer, got {[type(o).__name__ for o in optimizers]}")
     return optimizers
@@ -224,6 +228,10 @@ def save(
     and the checkpoint becomes complete at the returned handle's wait(). When False the
     checkpoint is complete on return.
 
+    Optimizers that have not stepped yet (no state) are saved as such and keep no state:
+    DCP's get_state_dict makes their state by a step at lr 0 on zero gradients, whose step
+    count would shift every later step's bias correction; load leaves them without state.
+
     Returns a SaveHandle (done already when sync).
     """
     out_dir = _out_dir(out_dir)
@@ -234,6 +242,7 @@ def save(
     if previous is not None and not isinstance(previous, SaveHandle):
         raise ValueError(f"previous: expected the SaveHandle of the last save or None, got {type(previous).__name__}")
     optimizers = _optimizers(optimizers)
+    pairs = _pairs(_models(model), optimizers)  # refused before anything is written
     if previous is not None:
         previous.wait()
 
@@ -246,20 +255,34 @@ def save(
     _barrier()
     torch.save(extra or {}, tmp / f"extra_rank{_rank()}.pt")
 
-    state, _ = _state(_pairs(_models(model), optimizers))
+    # optimizers that have not stepped: get_state_dict makes their state by a step at lr 0 (step count 1), which would
+    # shift every later step's bias correction here and in a run resumed from this; they are emptied again once saved,
+    # and load empties them too
+    fresh = [i for i, opt in enumerate(optimizers) if not opt.state]
+    if _rank() == 0:
+        (tmp / _FRESH).write_text(json.dumps(fresh))
+    state, _ = _state(pairs)
     no_dist = not dist.is_initialized()
     if not async_:
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
+        _empty(optimizers, fresh)
         if _rank() == 0:
             _finalize(tmp, final)
         _barrier()
         return SaveHandle(tmp, final)
     if no_dist:  # its background writer warns after the call returns: the filter stays (added once, moved to the front)
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-    result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
+    result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)  # staged: the state may change from here
+    _empty(optimizers, fresh)
     future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or Future
     return SaveHandle(tmp, final, future)
+
+
+def _empty(optimizers: list[torch.optim.Optimizer], indices: Sequence[int]) -> None:
+    """Back to no state (as before their first step) for the optimizers at `indices`."""
+    for i in indices:
+        optimizers[i].state.clear()
 
 
 def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
@@ -459,7 +482,8 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     """Restore model and optimizers in place from a checkpoint directory; return this rank's
     extra dict. Fresh optimizers get their state created first (get_state_dict runs one
-    zero-lr step on zero gradients), then overwritten bit for bit.
+    zero-lr step on zero gradients), then overwritten bit for bit; the optimizers the
+    checkpoint saved before their first step are left without state, as they were then.
 
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
@@ -491,6 +515,8 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
             set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict={k: state["optim"][k] for k in optim_sd}, options=_OPTIONS)
         else:
             set_model_state_dict(m, loaded_model)
+    if (path / _FRESH).is_file():  # saved before their first step: no state, as then (older checkpoints have no such file)
+        _empty(optimizers, [i for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
     return extra
 
 

@@ -97,6 +97,33 @@ def test_round_trip_bit_identical(tmp_path):
     _assert_identical(_tensors(model, opts), _tensors(fresh, fresh_opts))
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_save_before_the_first_step_changes_nothing(tmp_path, async_):
+    """DCP's get_state_dict makes a fresh optimizer's state by a step at lr 0: a save before the
+    first step left step count 1 in the optimizers (both kinds), so every later step's bias
+    correction was off by one, in the saving run (0.005 after 3 steps) and in a run resumed
+    from it. Both now equal the run that never saved, bit for bit; a checkpoint after a
+    step keeps its state (the round trip above)."""
+    torch.manual_seed(0)
+    model, opts = _build()
+    plain_model, plain_opts = _build()
+    plain_model.load_state_dict(model.state_dict())
+    handle = ckpt.save(tmp_path, 0, model=model, optimizers=opts, async_=async_)
+    handle.wait()
+    assert all(not o.state for o in opts)
+    resumed, resumed_opts = _build()
+    _train(resumed, resumed_opts, 1)  # a stepped optimizer loads the saved "no state" too
+    ckpt.load(tmp_path / "step_000000", model=resumed, optimizers=resumed_opts)
+    assert all(not o.state for o in resumed_opts)
+    runs = []
+    for m, o in ((plain_model, plain_opts), (model, opts), (resumed, resumed_opts)):
+        torch.manual_seed(7)
+        _train(m, o, 3)
+        runs.append(_tensors(m, o))
+    _assert_identical(runs[0], runs[1])
+    _assert_identical(runs[0], runs[2])
+
+
 def test_interrupted_save_leaves_previous_usable(tmp_path, monkeypatch):
     model, opts = _build()
     _train(model, opts, 1)
@@ -255,6 +282,15 @@ def test_bad_inputs(tmp_path):
         ckpt.save(tmp_path, -1, model=model, optimizers=opts)
     with pytest.raises(ValueError, match="optimizers"):
         ckpt.save(tmp_path, 1, model=model, optimizers=[model])
+    with pytest.raises(ValueError, match=r"^optimizers: expected a list of torch.optim.Optimizer \(\[\] for none\), got NoneType"):
+        ckpt.save(tmp_path, 1, model=model, optimizers=None)
+    other = torch.optim.AdamW(nn.Linear(2, 2).parameters())  # DCP's KeyError 0 before
+    with pytest.raises(ValueError, match=r"^optimizers\[2\]: its parameters are not all the model's"):
+        ckpt.save(tmp_path / "own", 1, model=model, optimizers=[*opts, other])
+    assert not (tmp_path / "own").exists()  # refused before anything is written
+    ckpt.save(tmp_path / "own", 1, model=model, optimizers=opts)
+    with pytest.raises(ValueError, match=r"^optimizers\[2\]: its parameters are not all the model's"):
+        ckpt.load(tmp_path / "own" / "step_000001", model=model, optimizers=[*opts, other])
     with pytest.raises(ValueError, match="extra"):
         ckpt.save(tmp_path, 1, model=model, optimizers=opts, extra=[1])
     with pytest.raises(ValueError, match="previous: expected the SaveHandle"):
