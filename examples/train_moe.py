@@ -626,7 +626,7 @@ def main(argv: list[str]) -> None:
               f"{model_cfg.n_experts} experts{f' and {model_cfg.zero_experts} zero experts' if model_cfg.zero_experts else ''}, "
               f"top-{model_cfg.k})\n"
               f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens:,} tokens "
-              f"({f'+ {len(val_set)} for validation' if val_set is not None else 'no validation: --eval_batches=0'}); "
+              f"({f'+ {len(val_set)} documents, {val_set.n_tokens:,} tokens for validation' if val_set is not None else 'no validation: --eval_batches=0'}); "
               f"{first_step} tokens per step now (--batch_schedule={cfg.batch_schedule!r})\n"
               + ("".join(f"  source {n}: weight {w:.3f}, {len(d)} documents, {d.n_tokens:,} tokens\n"
                          for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +

@@ -63,6 +63,7 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     lines = run.stdout.splitlines()
     assert lines[0].startswith("model: ") and "active per token" in lines[0]
     assert lines[1].startswith("data: the stdlib corpus") and "256 tokens per step" in lines[1]
+    assert re.search(r"tokens \(\+ \d+ documents, [\d,]+ tokens for validation\)", lines[1]), lines[1]  # documents were called tokens
     assert lines[2].startswith("run: 30 steps on cpu x 1 (one process)") and f"out_dir {tmp_path}" in lines[2]
     steps = [line for line in lines if line.startswith("[")]
     assert len(steps) == 30 and all(" load " in line and " eta " in line for line in steps)
