@@ -195,6 +195,19 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"params: a DTensor sharded over a matrix dim ({p.placements}) is not whole locally")
         super().add_param_group({**param_group, "params": params})
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, after checking each saved momentum_buffer against its parameter's
+        shape: ValueError naming the parameter's index and both shapes (torch's loader took
+        it, and the next step failed inside torch)."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):  # other group sizes: torch's ValueError
+            buf = state_dict["state"].get(i, {}).get("momentum_buffer")
+            if isinstance(buf, torch.Tensor) and buf.shape != _local(p).shape:
+                raise ValueError(f"state_dict: expected momentum_buffer of parameter {i} to have the parameter's shape "
+                                 f"{tuple(_local(p).shape)}, got {tuple(buf.shape)}")
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One update of every parameter with a gradient (the others keep their values and

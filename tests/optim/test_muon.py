@@ -459,3 +459,21 @@ def test_newton_schulz_refuses_non_floating_input_and_bad_steps():
     for steps in (True, 2.5, "5"):
         with pytest.raises(ValueError, match="^steps: expected an int >= 1"):
             newton_schulz(torch.randn(3, 3), steps=steps)
+
+
+def test_load_refuses_a_momentum_buffer_of_another_shape():
+    """torch's loader took a buffer of another parameter's shape; the next step then failed
+    inside torch (or broadcast a [1, n] parameter's update from a [3, n] buffer)."""
+    a = nn.Parameter(torch.randn(3, 4))
+    opt = Muon([a])
+    a.grad = torch.randn(3, 4)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for shape in ((5, 4), (1, 4)):
+        b = nn.Parameter(torch.randn(shape))
+        with pytest.raises(ValueError, match=rf"^state_dict: expected momentum_buffer of parameter 0 to have the parameter's shape "
+                                             rf"\({shape[0]}, 4\), got \(3, 4\)"):
+            Muon([b]).load_state_dict(saved)
+    same = Muon([nn.Parameter(torch.randn(3, 4))])
+    same.load_state_dict(saved)
+    assert torch.equal(next(iter(same.state.values()))["momentum_buffer"], opt.state[a]["momentum_buffer"])
