@@ -266,6 +266,8 @@ class DistributedMuon(torch.optim.Optimizer):
         for p in params:
             if not isinstance(p, torch.Tensor) or p.ndim < 2:
                 raise ValueError(f"params: Muon takes matrices (ndim >= 2), got {getattr(p, 'shape', type(p).__name__)}; give it to AdamW")
+            if not p.is_floating_point():  # as Muon: a complex gradient's imaginary part was dropped
+                raise ValueError(f"params: expected floating-point parameters, got {p.dtype} (a parameter of shape {tuple(p.shape)})")
             if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
                 raise ValueError(f"params: a parameter cannot be a Partial DTensor, got placements {p.placements}")
             if p in self._owner or sum(q is p for q in params) > 1:

@@ -508,6 +508,9 @@ def test_bad_hyperparameters(kwargs, match):
 def test_bad_params_and_model():
     with pytest.raises(ValueError, match="params.*ndim >= 2"):
         DistributedMuon([nn.Parameter(torch.zeros(3))])
+    for dtype in (torch.int64, torch.complex64):  # as Muon refuses them
+        with pytest.raises(ValueError, match=f"^params: expected floating-point parameters, got {dtype}"):
+            DistributedMuon([torch.zeros(3, 3, dtype=dtype)])
     w = nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match="params.*twice"):
         DistributedMuon([w, w])
