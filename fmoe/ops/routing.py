@@ -512,8 +512,9 @@ def route(
         bias_on_logits: sigmoid scoring with an expert_bias only: choose on logits +
             expert_bias instead of sigmoid(logits) + expert_bias (Kolibri-1); the weights are
             the chosen sigmoids all the same.
-        check: raise a ValueError on NaN logits or a NaN in expert_bias (a device->host sync
-            each; skipped under torch.compile). Unchecked NaN rows get NaN weights, never
+        check: raise a ValueError on NaN logits or a NaN in expert_bias, and on infinite
+            logits whose weights are not finite (+inf under softmax scoring; a device->host
+            sync each; skipped under torch.compile). Unchecked NaN rows get NaN weights, never
             finite ones.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
@@ -550,9 +551,16 @@ def route(
                              "cannot rank the experts")
 
     if use_triton(impl, logits):
-        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
-        return Routes(weights, experts)
-    return route_ref(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
+        routes = Routes(*_route_fwd(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits))
+    else:
+        routes = route_ref(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
+    if check and checking():  # an infinite logit: NaN (or inf) weights where the score normalizes (a softmax over +inf)
+        bad = ~torch.isfinite(routes.weights).all(dim=1)
+        if bad.any():
+            rows = bad.nonzero().flatten()
+            raise ValueError(f"logits: infinite logits give non-finite weights under score={score!r} in {rows.numel()} row(s), first at row "
+                             f"{int(rows[0])}; clamp the logits (pass check=False to skip this check)")
+    return routes
 
 
 def hash_route(

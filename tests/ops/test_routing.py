@@ -377,6 +377,27 @@ def test_nan_logits_are_reported(impl, device):
     assert ((e >= 0) & (e < 8)).all()
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_infinite_logits_that_give_non_finite_weights_are_reported(impl, device):
+    """A softmax over a +inf logit (or a row of -inf) gave NaN weights under check=True, which
+    looks for NaN logits only; where the score stays finite (sigmoid) the row routes."""
+    inf = float("inf")
+    logits = torch.randn(6, 8, device=device)
+    for score, rows in (("softmax", {2: [inf]}), ("softmax", {3: [-inf] * 8}), ("sqrtsoftplus", {2: [inf]})):
+        bad = logits.clone()
+        for row, values in rows.items():
+            bad[row, :len(values)] = torch.tensor(values)
+        with pytest.raises(ValueError, match=rf"^logits: infinite logits give non-finite weights under score='{score}' in 1 row\(s\), "
+                                             rf"first at row {next(iter(rows))}"):
+            F.route(bad, 2, score=score, impl=impl)
+        assert not torch.isfinite(F.route(bad, 2, score=score, impl=impl, check=False).weights).all()
+    bad = logits.clone()
+    bad[2, 0], bad[3, 1] = inf, -inf
+    w, e = F.route(bad, 2, score="sigmoid", impl=impl)
+    assert torch.isfinite(w).all() and e[2, 0] == 0
+    assert torch.isfinite(F.route(bad[[3]], 2, impl=impl).weights).all()  # softmax: a -inf logit beside finite ones routes
+
+
 def test_empty_batch(device):
     for impl in ("torch", "triton"):
         w, e = F.route(torch.randn(0, 8, device=device), 2, impl=impl)
