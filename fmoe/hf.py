@@ -289,9 +289,13 @@ def _rope_params(hf: dict, scaled: Optional[str] = None, needs: tuple[str, ...] 
 
 
 def _rope(hf: dict) -> dict:
-    """RoPE of the Llama-like families: plain (rope_theta), or with Llama 3.1's scaling
+    """RoPE of the Llama-like families: plain (rope_theta), with Llama 3.1's scaling
     (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings)."""
+    original_max_position_embeddings), or YaRN as their attention applies it (rope_type
+    "yarn": Qwen2.5's and Qwen3's long context; _llama_yarn)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if params.get("rope_type", params.get("type")) == "yarn":
+        return _llama_yarn(hf)
     rope_type, params, out = _rope_params(hf, "llama3", ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     if rope_type == "default":
         return out
@@ -736,15 +740,23 @@ def _ministral3(hf: dict) -> dict:
     log(1 + floor(p / original_max_position_embeddings)) (_mistral4's rule)."""
     rope_type, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), 1e6)
     out = _dense(dict(hf, rope_parameters=dict(params, rope_type="default"), rope_scaling=None), sliding=True, **_query_temperature(hf))
-    if rope_type == "default":
-        return out
+    return out if rope_type == "default" else dict(out, **_llama_yarn(hf, 1e6))
+
+
+def _llama_yarn(hf: dict, default_base: float = 10000.0) -> dict:
+    """YaRN as Llama's attention applies it (rope_type "yarn"; transformers' rotary embedding):
+    cos and sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), which is 1
+    where the two are equal, or by 0.1 ln(factor) + 1 without them; the softmax scale stays
+    1 / sqrt(head_dim) (DeepSeek's attention also scales it: _yarn). An unequal pair is
+    refused (fmoe ties it to the softmax scale)."""
+    _, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), default_base)
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if bool(mscale) != bool(mscale_all_dim) or (mscale and mscale != mscale_all_dim):
         raise ValueError(f"config.json: rope_parameters with mscale {mscale!r} and mscale_all_dim {mscale_all_dim!r} are not supported "
-                         "in Ministral 3 (both equal, or neither)")
+                         f"for {hf.get('model_type')} (both equal, or neither)")
     # both equal: cos and sin unscaled (fmoe's mscale 0 over mscale_all_dim 0); neither: 0.1 ln(factor) + 1 on them (1 over 0)
-    yarn = _yarn(dict(hf, rope_parameters=dict(params, mscale=None, mscale_all_dim=None)), 1e6)
-    return dict(out, **dict(yarn, yarn_mscale=0.0 if mscale else 1.0, yarn_mscale_all_dim=0.0))
+    yarn = _yarn(dict(hf, rope_parameters=dict(params, mscale=None, mscale_all_dim=None)), default_base)
+    return dict(yarn, yarn_mscale=0.0 if mscale else 1.0, yarn_mscale_all_dim=0.0)
 
 
 def _query_temperature(hf: dict) -> dict:
@@ -5857,6 +5869,10 @@ def _rope_parameters(cfg: TransformerConfig) -> dict:
         return dict(rope_type="longrope", rope_theta=cfg.rope_base, short_factor=list(cfg.longrope_short_factors),
                     long_factor=list(cfg.longrope_long_factors or cfg.longrope_short_factors),
                     original_max_position_embeddings=cfg.longrope_original_max_positions, attention_factor=cfg.longrope_short_scale)
+    if cfg.yarn_factor is not None:  # as _llama_yarn reads it back (a softmax scale of YaRN's, DeepSeek's, does not: config_mismatch)
+        return dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+                    truncate=cfg.yarn_truncate, original_max_position_embeddings=cfg.yarn_original_max_positions,
+                    **(dict(mscale=1.0, mscale_all_dim=1.0) if cfg.yarn_mscale == 0 else {}))
     if cfg.llama3_factor is None:
         return {"rope_theta": cfg.rope_base, "rope_type": "default"}
     return dict(rope_type="llama3", rope_theta=cfg.rope_base, factor=cfg.llama3_factor, low_freq_factor=cfg.llama3_low_freq_factor,

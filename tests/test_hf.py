@@ -1093,6 +1093,42 @@ def test_llama3_rope_scaling_gives_transformers_logits_and_exports_back(family, 
         hf.from_pretrained(_edit(tmp_path / "hf", tmp_path / "bad", lambda c: c["rope_parameters"].pop("high_freq_factor")))
 
 
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=True, original_max_position_embeddings=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("mscale", [None, 1.0], ids=["attention factor", "mscale pair"])
+def test_yarn_of_llama_like_families_gives_transformers_logits_and_exports_back(family, mscale, tmp_path):
+    """rope_type "yarn" in a Llama-like family (Qwen2.5's and Qwen3's long-context configs):
+    was refused ("plain RoPE or llama3"). transformers scales cos and sin by 0.1 ln(factor) + 1
+    (or mscale(factor, mscale) / mscale(factor, mscale_all_dim), 1 for an equal pair) and keeps
+    the softmax scale 1 / sqrt(head_dim), as DeepSeek's attention does not; an unequal pair,
+    which fmoe would tie to the softmax scale, is refused."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config.rope_parameters = dict(YARN, **({} if mscale is None else dict(mscale=mscale, mscale_all_dim=mscale)))
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (4.0, 4, 1.0 if mscale is None else 0.0, 0.0)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        plain, _ = hf.from_pretrained(tmp_path / "hf", impl="torch", yarn_factor=None)  # the scaling matters here
+        assert _rel(plain.logits(ids, cu), theirs) > 1e-3
+    del model.hf_config
+    hf.save_pretrained(model, tmp_path / "fmoe", model_type=family)
+    written = json.loads((tmp_path / "fmoe" / "config.json").read_text())["rope_parameters"]
+    assert {k: v for k, v in written.items() if k != "partial_rotary_factor"} == config.rope_parameters
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fmoe", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(_their_logits(back, docs), theirs) < 1e-5
+    with pytest.raises(ValueError, match=f"config.json: rope_parameters with mscale 1.0 and mscale_all_dim 0.5 are not supported for {family} "
+                                         r"\(both equal, or neither\)"):
+        hf.from_pretrained(_edit(tmp_path / "hf", tmp_path / "bad", lambda c: c["rope_parameters"].update(mscale=1.0, mscale_all_dim=0.5)))
+
+
 def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["qwen2_moe"][0])
     assert cfg.moe_layers == (1, 2) and cfg.shared_size == 40 and cfg.shared_gate and cfg.qkv_bias and cfg.pre_softmax
@@ -3943,7 +3979,9 @@ def test_muse_glimmer_folders_read_their_norms_scales_and_rope_or_none_per_layer
                             (dict(final_logit_softcapping=None), r"final_logit_softcapping = None is not supported \(a positive number\)"),
                             (dict(qk_scale_factor=0), r"qk_scale_factor = 0 is not supported \(a positive number\)"),
                             (dict(post_norm_eps=-1.0), r"post_norm_eps = -1.0 is not supported \(a finite number >= 0\)"),
-                            (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)), r"rope type 'yarn' is not supported")):
+                            (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)),
+                             r"rope_parameters of rope type 'yarn' lack original_max_position_embeddings"),
+                            (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), r"rope type 'dynamic' is not supported")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["muse_glimmer_text"].kwargs(dict(_muse_text(), model_type="muse_glimmer_text", **change))
 
