@@ -45,6 +45,7 @@ With drop > 0 (Drop-Upcycling) part of each expert starts fresh instead, by desi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence, Union
 
 import torch
@@ -120,6 +121,21 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     return g
 
 
+# TransformerConfig fields in which the MoE model may differ from the dense one: its MoE blocks' knobs (granularity checks
+# those that rule an exact start out), how it runs (impl, ac, fp8, init_std, the losses' weights), and its MTP modules
+# (a Hugging Face dense model has none). Every other field must be the dense model's: it shapes the function the MoE
+# model computes at the start (a layer more, another RoPE base or norm eps gave other logits with matching shapes).
+_MAY_DIFFER = frozenset({
+    "n_dense", "ffn_dense", "n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "shared_scale", "moe_layers", "score",
+    "pre_softmax", "n_groups", "topk_groups", "group_score_topk", "route_scale", "route_normalize", "expert_bias", "expert_bias_on_logits",
+    "sparsemixer_eps", "zero_experts", "hash_layers", "shortcut_moe", "capacity_factor", "capacity_policy", "route_on_input", "moe_out_bias",
+    "router_softcap", "router_scale", "router_bias", "expert_biases", "swiglu_alpha", "swiglu_limit", "swiglu_offset", "shared_swiglu_limit",
+    "shared_swiglu_alpha", "shared_swiglu_offset", "swiglu_limit_layers", "shared_swiglu_limit_layers", "mlp_act", "mlp_bias", "dense_beside_moe",
+    "router_norm", "router_expert_scale", "moe_out_norm", "moe_latent", "moe_latent_norm", "expert_out_norm", "post_norm_eps", "norm_gate_rank",
+    "mtp_depth", "mtp_norm", "init_std", "impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "index_loss_coeff", "moa_aux_coeff",
+})
+
+
 @torch.no_grad()
 def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapping[str, torch.Tensor], dense_cfg: TransformerConfig,
              *, seed: int = 0, drop: float = 0.0) -> None:
@@ -147,9 +163,19 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
     """
     if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 <= drop <= 1.0:
         raise ValueError(f"drop: expected the fraction of each expert's channels to draw afresh, in [0, 1], got {drop!r}")
+    if not isinstance(dense_cfg, TransformerConfig):
+        raise ValueError(f"dense_cfg: expected the dense model's TransformerConfig, got {type(dense_cfg).__name__}")
+    if not isinstance(dense_state, Mapping):  # the dense model itself: "argument of type 'Transformer' is not iterable" before
+        raise ValueError(f"dense_state: expected the dense model's state (a mapping of names to tensors, e.g. its state_dict()), "
+                         f"got {type(dense_state).__name__}")
     for part in [model] if isinstance(model, torch.nn.Module) else list(model):
         cfg = part.cfg
         g = granularity(cfg, dense_cfg)
+        differ = [f"{f.name}={getattr(dense_cfg, f.name)!r} (here {getattr(cfg, f.name)!r})" for f in dataclasses.fields(TransformerConfig)
+                  if f.name not in _MAY_DIFFER and getattr(dense_cfg, f.name) != getattr(cfg, f.name)]
+        if differ:
+            raise ValueError(f"dense_cfg: the dense model differs from the MoE model outside its MoE blocks: {', '.join(differ)}; "
+                             "the upcycled model would not start as the dense model's function")
         E, H, Fe = cfg.n_experts, cfg.hidden, cfg.ffn_expert
         blocks = _moe_blocks(cfg)
         for name, p in part.named_parameters():
@@ -187,7 +213,10 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
             elif name not in dense_state:
                 raise ValueError(f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers")
             else:
-                value = dense_state[name].detach().cpu()  # read once: dense_state may read it from the files
+                value = dense_state[name]
+                if not isinstance(value, torch.Tensor):  # a numpy array: "no attribute 'detach'" before
+                    raise ValueError(f"dense_state: {name!r} is a {type(value).__name__}, expected a tensor")
+                value = value.detach().cpu()  # read once: dense_state may read it from the files
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(f"dense_state: {name!r} has shape {tuple(value.shape)}, the MoE model's is {tuple(p.shape)}")
                 copy_full_value(p, value)

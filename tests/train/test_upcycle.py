@@ -213,8 +213,25 @@ def test_the_pair_must_allow_an_exact_start():
     # the dense model differs elsewhere: a missing parameter, a shape
     with pytest.raises(ValueError, match="dense_state: no 'blocks.2.attn.wq'"):
         upcycle_(Transformer(_moe()), {k: v for k, v in dense.items() if k != "blocks.2.attn.wq"}, DENSE)
-    with pytest.raises(ValueError, match=r"dense_state: 'embed' has shape \(64, 32\), the MoE model's is \(80, 32\)"):
-        upcycle_(Transformer(_moe(vocab_size=80)), dense, DENSE)
+    with pytest.raises(ValueError, match=r"dense_state: 'embed' has shape \(80, 32\), the MoE model's is \(64, 32\)"):
+        upcycle_(Transformer(_moe()), {**dense, "embed": torch.zeros(80, 32)}, DENSE)
+    # ...or its config does, where the shapes can match: a layer more, another RoPE base, norm eps, head split or window
+    # gave other logits at the start (1.24, 0.07, 0.89, 2, 2 off)
+    for knobs in (dict(vocab_size=80), dict(rope_base=5e5), dict(norm_eps=1e-2), dict(logit_softcap=5.0), dict(window=4),
+                  dict(n_heads=2, n_kv_heads=1, head_dim=16)):
+        differ = ", ".join(f"{k}={getattr(DENSE, k)!r} \\(here {v!r}\\)" for k, v in knobs.items())
+        with pytest.raises(ValueError, match=f"^dense_cfg: the dense model differs from the MoE model outside its MoE blocks: {differ}; "):
+            upcycle_(Transformer(_moe(**knobs)), dense, DENSE)
+    more = dataclasses.replace(DENSE, n_layers=DENSE.n_layers + 1, n_dense=DENSE.n_layers + 1)
+    with pytest.raises(ValueError, match=rf"^dense_cfg: .*: n_layers={DENSE.n_layers + 1} \(here {DENSE.n_layers}\)"):
+        upcycle_(Transformer(_moe()), _dense_model(cfg=more).state_dict(), more)
+    # arguments of another kind, named
+    with pytest.raises(ValueError, match=r"^dense_state: expected the dense model's state .*, got Transformer"):
+        upcycle_(Transformer(_moe()), _dense_model(), DENSE)
+    with pytest.raises(ValueError, match=r"^dense_cfg: expected the dense model's TransformerConfig, got dict"):
+        upcycle_(Transformer(_moe()), dense, dataclasses.asdict(DENSE))
+    with pytest.raises(ValueError, match=r"^dense_state: 'embed' is a ndarray, expected a tensor"):
+        upcycle_(Transformer(_moe()), {**dense, "embed": dense["embed"].numpy()}, DENSE)
     with pytest.raises(ValueError, match=r"dense_state: 'blocks.1.mlp.w_up' has shape \(32, 60\), expected \(32, 64\)"):
         upcycle_(Transformer(_moe()), {**dense, "blocks.1.mlp.w_up": torch.zeros(32, 60)}, DENSE)
 
