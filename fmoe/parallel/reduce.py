@@ -40,6 +40,7 @@ Legend: T tokens (T_local on this rank), E experts, K = k slots per token, B doc
 from __future__ import annotations
 
 import numbers
+import zlib
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -309,8 +310,9 @@ def all_reduce_counts(
     """Per-layer expert counts summed over `group`, all layers in ONE collective.
 
     counts maps a MoE layer's name to its [E] integer counts (tokens_per_expert, summed over
-    this rank's micro-batches). `names` lists every MoE layer of the model, in the same order
-    on every rank: the counts are stacked into one [L, E] int64 tensor in that order and
+    this rank's micro-batches). `names` lists every MoE layer of the model, the same names on
+    every rank (in any order: rank 0 listing layer_2 first summed its counts into another
+    rank's layer_1): the counts are stacked into one [L, E] int64 tensor in sorted order and
     summed with a single all_reduce. A layer this rank does not hold (a pipeline stage
     without it, a rank with no MoE layer: counts = {}) contributes zeros, so every rank takes
     part in the same collective. Integers, so the totals are exact and identical everywhere.
@@ -338,12 +340,13 @@ def all_reduce_counts(
     if not names:  # same on every rank (names is global), so no rank waits for a collective
         return {}
     device = collective_device(pg, list(counts.values()))
-    counts_LE = torch.zeros(len(names), n_experts, dtype=torch.int64, device=device)
-    for i, name in enumerate(names):
+    rows = sorted(names)  # the buffer's rows: the same on every rank whatever order each lists its layers in
+    counts_LE = torch.zeros(len(rows), n_experts, dtype=torch.int64, device=device)
+    for i, name in enumerate(rows):
         if name in counts:
             counts_LE[i] = counts[name].detach()
     dist.all_reduce(counts_LE, op=dist.ReduceOp.SUM, group=pg)
-    return {name: counts_LE[i] for i, name in enumerate(names)}
+    return {name: counts_LE[rows.index(name)] for name in names}
 
 
 def global_load_balancing_loss(
@@ -419,7 +422,10 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
     GPU for nccl), so a train step keeps its logged values on the device and reads them all
     at once at its end, e.g. dict(zip(sums, torch.stack(list(sums.values())).tolist())).
     An empty mapping issues no collective (the names are the same on every rank, so none
-    waits) and returns {}.
+    waits) and returns {}. Names that differ between ranks (as many of them) make every
+    returned value NaN on every rank: they summed other ranks' values under the wrong names
+    before (a fingerprint of the names rides in the same collective; checking it on the host
+    would cost a sync).
 
     Example: rank 0 {"loss": 1.5, "tokens": 10}, rank 1 {"loss": 2.0, "tokens": 12}
     -> {"loss": tensor(3.5, dtype=torch.float64), "tokens": tensor(22., dtype=torch.float64)}
@@ -446,7 +452,10 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
             return v.detach().reshape(()).to(device=device, dtype=torch.float64)
         return torch.full((), float(v), dtype=torch.float64, device=device)
 
-    buf = torch.stack([on_device(values[n]) for n in names])
+    # the names' fingerprint beside the values: summed, it is world x this rank's own only where every rank passed these names
+    mark = float(zlib.crc32("\0".join(names).encode()) % (1 << 20) + 1)
+    buf = torch.stack([on_device(values[n]) for n in names] + [on_device(mark)])
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
-    sums = dict(zip(names, buf.unbind(0)))
+    same = buf[-1] == mark * dist.get_world_size(pg)
+    sums = dict(zip(names, torch.where(same, buf[:-1], float("nan")).unbind(0)))  # on the device: no host sync
     return {name: sums[name] for name in values}

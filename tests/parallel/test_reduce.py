@@ -505,12 +505,23 @@ GRAD_CONFIGS_4 = {
 }
 
 
+def _mismatched_names_results(rank):
+    """Ranks passing other names: rank 0 {loss, aux}, rank 1 {loss, z} summed into each other's
+    names (loss 1.5 and 102 for 3.0); layers listed in another order summed into each other's."""
+    sums = all_reduce_sums({"loss": 1.0 + rank, "aux" if rank == 0 else "z": 100.0 if rank == 0 else 0.5}, dist.group.WORLD)
+    names = ["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"]
+    own = {"layer_1": torch.tensor([10, 0]), "layer_2": torch.tensor([0, 14])} if rank == 0 else {"layer_1": torch.tensor([1, 2]), "layer_2": torch.tensor([3, 4])}
+    counts = all_reduce_counts(own, dist.group.WORLD, names=names, n_experts=2)
+    return dict(sums={k: v.item() for k, v in sums.items()}, counts={k: v.tolist() for k, v in counts.items()}, order=list(counts))
+
+
 def _world2(rank, world_size):
     return dict(
         seq=_seq_split_results(rank, SEQ_CASES_2, dist.group.WORLD, rank),
         seq_layers=_seq_layers_results(rank, world_size),
         counts=_counts_results(rank, world_size),
         sums=_sums_results(rank, dist.group.WORLD),
+        mismatched=_mismatched_names_results(rank),
         global_loss=_global_loss_results(rank, world_size, [0, 4, 11]),
         grad_norm=_grad_norm_results(rank, world_size, GRAD_CONFIGS_2),
     )
@@ -577,6 +588,16 @@ def test_all_reduce_sums(world2, world4):
     _check_sums([r["sums"] for r in world2], [0, 1])
     for pair in ([0, 2], [1, 3]):  # over the dp axis (a 1-D DeviceMesh): the ranks of one tp index
         _check_sums([world4[r]["sums"] for r in pair], pair)
+
+
+def test_names_that_differ_between_ranks_never_sum_into_each_other(world2):
+    """all_reduce_sums: every value NaN on every rank (a fingerprint of the names rides in the
+    collective, read on the device); all_reduce_counts: each layer's own counts whatever order
+    each rank lists the layers in."""
+    for rank, result in enumerate(world2):
+        got = result["mismatched"]
+        assert list(got["sums"]) == ["loss", "aux" if rank == 0 else "z"] and all(v != v for v in got["sums"].values()), got
+        assert got["counts"] == {"layer_1": [11, 2], "layer_2": [3, 18]} and got["order"] == (["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"])
 
 
 def test_global_loss_adds_up_over_ranks_and_gradients_sum(world2, world4):
