@@ -7,7 +7,8 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
                      those logged and not all zero (a coefficient of 0 logs zeros)
     expert_load.png  heatmaps over steps: max/mean load per MoE layer (rows: layers) and,
                      when tokens_per_expert is logged, each expert's share of its layer's
-                     slots relative to uniform (count * E / sum) per layer
+                     slots relative to uniform (count * E / sum) per layer; each logged
+                     step's column centred on that step of the x axis
     health.png       run health, the panels that were logged: grad_norm with param_norm,
                      zero_grads (parameters whose gradient is exactly zero), energy per
                      token (joules), and, for a blend, each data source's share of the step's
@@ -27,6 +28,10 @@ from fmoe.train.metrics import read_metrics
 # keys sharing an axis; mtp_*_loss: each MTP depth's (the loop's mtp_1_loss, mtp_2_loss, ...)
 LOSS_PANELS = (("loss", "val_loss"), ("mtp_*_loss", "mtp_loss"), ("seq_aux_loss", "aux_loss"), ("z_loss",), ("index_loss",))
 HEALTH_PANELS = (("grad_norm", "param_norm"), ("zero_grads",), ("energy_j_per_token",))
+LOAD_KEYS = ("load_max_over_mean", "tokens_per_expert")
+# every key some plot draws (said when a file holds none of them)
+PLOTTED_KEYS = (*(k for keys in LOSS_PANELS for k in keys), *LOAD_KEYS, *(k for keys in HEALTH_PANELS for k in keys),
+                "tokens_by_source")
 
 
 def _pyplot():
@@ -101,24 +106,75 @@ def _transpose(rows: list[list]) -> list[list]:
     return [list(col) for col in zip(*rows)]
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" + "s" * (n != 1)
+
+
 def _load_matrix(records: list[dict]):
-    """(steps, max_over_mean [L][steps], shares [L][E][steps] or None) from the records that
-    carry per-layer load; shares only when every such record has tokens_per_expert."""
-    rows = [r for r in records if r.get("load_max_over_mean") or r.get("tokens_per_expert")]
-    if not rows:
+    """(steps [S], max_over_mean [L][S], shares [L][E][S] or None) from the records that carry
+    per-layer load, a column per step in step order (a step logged twice: its last record);
+    shares only when every such record has tokens_per_expert; None when none carries it.
+    ValueError naming the key and the step of a malformed record, or of one whose layer (or
+    expert) count differs from the first's: its rows would not be the same layers'."""
+    by_step, first, first_counts = {}, None, None
+    for r in records:
+        step = r["step"]
+        loads, counts = (None if r.get(key) == [] else r.get(key) for key in LOAD_KEYS)  # [] (no MoE layer): not logged
+        if loads is None and counts is None:
+            continue
+        if loads is not None and not (isinstance(loads, list) and all(v is None or _is_number(v) for v in loads)):
+            raise ValueError(f"records: load_max_over_mean at step {step}: expected a list of per-layer numbers, got {loads!r}")
+        if counts is not None and not (isinstance(counts, list) and all(
+                isinstance(layer, list) and layer and all(_is_number(c) and c >= 0 for c in layer) for layer in counts)):
+            raise ValueError(f"records: tokens_per_expert at step {step}: expected a list of per-layer lists of expert "
+                             f"counts (numbers >= 0), got {counts!r}")
+        if loads is not None and counts is not None and len(loads) != len(counts):
+            raise ValueError(f"records: load_max_over_mean at step {step} has {_layers(len(loads))}, "
+                             f"its tokens_per_expert {len(counts)}")
+        key, n = ("tokens_per_expert", len(counts)) if counts is not None else ("load_max_over_mean", len(loads))
+        first = first or (step, n)
+        if n != first[1]:
+            raise ValueError(f"records: {key} at step {step} has {_layers(n)} where step {first[0]}'s has "
+                             f"{first[1]}: a changed model (two runs' records?); plot each run apart")
+        if counts is not None:
+            experts = [len(layer) for layer in counts]
+            first_counts = first_counts or (step, experts)
+            if experts != first_counts[1]:
+                raise ValueError(f"records: tokens_per_expert at step {step} has {experts} experts per layer where "
+                                 f"step {first_counts[0]}'s has {first_counts[1]}: a changed model (two runs' records?)")
+        share = [[c * len(layer) / max(sum(layer), 1e-9) for c in layer] for layer in counts] if counts is not None else None
+        loads = loads if loads is not None else [max(s) for s in share]
+        by_step[step] = ([math.nan if v is None else v for v in loads], share)  # a non-finite load is logged as null
+    if not by_step:
         return None
-    steps, mom, shares = [], [], []
-    for r in rows:
-        counts = r.get("tokens_per_expert")
-        share = [[c * len(layer) / max(sum(layer), 1e-9) for c in layer] for layer in counts] if counts else None
-        loads = r.get("load_max_over_mean") or [max(s) for s in share]
-        mom.append([math.nan if v is None else v for v in loads])  # a non-finite load is logged as null
-        shares.append(share)
-        steps.append(r["step"])
+    steps = sorted(by_step)
+    mom, shares = [by_step[s][0] for s in steps], [by_step[s][1] for s in steps]
     per_layer = None
     if all(s is not None for s in shares):
         per_layer = [_transpose([s[layer] for s in shares]) for layer in range(len(shares[0]))]
     return steps, _transpose(mom), per_layer
+
+
+def _column_edges(steps: list[int]) -> list[float]:
+    """[S+1] x edges of the heatmap's columns for sorted steps [S]: midway between logged
+    steps, the outer ones as far out as the neighbouring gap's half, so that each column is
+    centred on its own step (its place on the loss panel's axis)."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    return [2 * steps[0] - mids[0], *mids, 2 * steps[-1] - mids[-1]]
+
+
+def _heatmap(ax, x_edges: list[float], rows: list[list], **kwargs):
+    """rows [R][S] as a mesh of columns between x_edges [S+1], row r at y = r; NaN blank."""
+    import numpy as np
+
+    values = np.ma.masked_invalid(np.asarray(rows, dtype=float))
+    return ax.pcolormesh(x_edges, np.arange(len(rows) + 1) - 0.5, values, shading="flat", **kwargs)
 
 
 def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
@@ -132,18 +188,16 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
     names = list(logged) if logged is not None and len(logged) == len(mom) else [f"layer {i}" for i in range(len(mom))]
     n = 1 + (len(per_layer) if per_layer else 0)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 + 1.8 * n), squeeze=False)
-    extent = (steps[0] - 0.5, steps[-1] + 0.5)
+    edges = _column_edges(steps)  # each column at its step (not spread evenly between the first and last)
     ax = axes[0, 0]
-    im = ax.imshow(mom, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
-                   extent=(*extent, -0.5, len(mom) - 0.5))
+    im = _heatmap(ax, edges, mom, cmap="magma")
     ax.set_title("expert load max/mean per MoE layer")
     ax.set_yticks(range(len(names)), names)
     ax.set_ylabel("MoE layer")
     fig.colorbar(im, ax=ax)
     for layer, share in enumerate(per_layer or []):
         ax = axes[layer + 1, 0]
-        im = ax.imshow(share, aspect="auto", origin="lower", interpolation="nearest", cmap="coolwarm",
-                       vmin=0.0, vmax=2.0, extent=(*extent, -0.5, len(share) - 0.5))
+        im = _heatmap(ax, edges, share, cmap="coolwarm", vmin=0.0, vmax=2.0)
         ax.set_title(f"{names[layer]}: tokens per expert / uniform")
         ax.set_ylabel("expert")
         fig.colorbar(im, ax=ax)
@@ -155,8 +209,14 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
 
 
 def _source_shares(records: list[dict]) -> dict[str, tuple[list, list]]:
-    """source -> (steps, its share of the step's tokens) from tokens_by_source records."""
-    rows = [r for r in records if isinstance(r.get("tokens_by_source"), dict) and sum(r["tokens_by_source"].values())]
+    """source -> (steps, its share of the step's tokens) from tokens_by_source records;
+    ValueError naming the step of one that is not a count per source."""
+    for r in records:
+        counts = r.get("tokens_by_source")
+        if counts is not None and not (isinstance(counts, dict) and all(_is_number(c) and c >= 0 for c in counts.values())):
+            raise ValueError(f"records: tokens_by_source at step {r['step']}: expected a token count (a number >= 0) "
+                             f"per source, got {counts!r}")
+    rows = [r for r in records if r.get("tokens_by_source") and sum(r["tokens_by_source"].values())]
     names = sorted({name for r in rows for name in r["tokens_by_source"]})
     return {name: ([r["step"] for r in rows], [r["tokens_by_source"].get(name, 0) / sum(r["tokens_by_source"].values()) for r in rows])
             for name in names}
@@ -190,7 +250,8 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
 
 def plot_run(out_dir) -> list[Path]:
     """Write the plots of `<out_dir>/metrics.jsonl` into out_dir; returns the written paths.
-    FileNotFoundError without the file, ValueError when it holds no record."""
+    FileNotFoundError without the file; ValueError when it holds no record, a malformed one
+    (before any file is written) or nothing any plot draws."""
     out_dir = Path(out_dir)
     metrics = out_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -198,11 +259,17 @@ def plot_run(out_dir) -> list[Path]:
     records = read_metrics(metrics)
     if not records:  # said, not an exit with nothing written
         raise ValueError(f"out_dir: {str(metrics)!r} holds no records (no step was logged yet)")
+    _load_matrix(records), _source_shares(records)  # a malformed record: said before any file is written
     plt = _pyplot()
     written = []
     for name, fn in (("loss.png", plot_losses), ("expert_load.png", plot_expert_load), ("health.png", plot_health)):
         if fn(records, out_dir / name, plt):
             written.append(out_dir / name)
+    if not written:  # said, not an exit 0 that wrote nothing
+        logged = sorted({key for r in records for key in r} - {"step"})
+        raise ValueError(f"out_dir: nothing to plot in {str(metrics)!r}: the plots draw {', '.join(PLOTTED_KEYS)} "
+                         f"(a loss of zeros, or one source's tokens_by_source, draws nothing); its records log "
+                         f"{', '.join(logged) or 'only steps'}")
     return written
 
 

@@ -367,6 +367,79 @@ def test_plot_missing_metrics(tmp_path, capsys):
         assert capsys.readouterr().err == f"error: out_dir: {str(tmp_path / 'metrics.jsonl')!r} holds no records (no step was logged yet)\n"
 
 
+def test_expert_load_heatmap_draws_each_column_at_its_step(tmp_path):
+    """Steps 1, 100, 200, 300: step 1's load drawn around x = 1 (it was spread over 0.5..75.5,
+    the columns evenly between the first and last step), not under the loss panel's step 50."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, figures = plot._pyplot(), []
+
+    class Keeps:  # pyplot, whose close keeps the figure to read
+        subplots = staticmethod(pyplot.subplots)
+
+        @staticmethod
+        def close(fig):
+            figures.append(fig)
+
+    # out of order and step 100 logged twice (a resumed run): a column per step, its last record's
+    records = [{"step": s, "tokens_per_expert": [[c, 4 - c]]} for s, c in ((1, 4), (200, 2), (100, 0), (100, 2), (300, 2))]
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    load, share = [ax for ax in figures[0].axes if ax.get_title()]
+
+    def drawn_at(ax, x):  # the heatmap's column of values over x
+        mesh = ax.collections[0]
+        edges = list(mesh.get_coordinates()[0, :, 0])
+        column = next(i for i in range(len(edges) - 1) if edges[i] <= x < edges[i + 1])
+        return list(mesh.get_array().reshape(-1, len(edges) - 1)[:, column])
+
+    assert drawn_at(load, 1) == [2.0] and drawn_at(load, 40) == [2.0]  # step 1: every token to expert 0
+    assert drawn_at(load, 60) == drawn_at(load, 100) == drawn_at(load, 300) == [1.0]
+    assert drawn_at(share, 1) == [2.0, 0.0] and drawn_at(share, 100) == [1.0, 1.0]
+    assert list(load.collections[0].get_coordinates()[0, :, 0]) == [-48.5, 50.5, 150.0, 250.0, 350.0]
+    pyplot.close("all")
+
+
+def test_expert_load_refuses_records_whose_layers_or_experts_change():
+    """A layer count that changes (records of two runs) was cut to the shortest by zip, a
+    layer silently lost; now a ValueError naming the key and the step."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    with pytest.raises(ValueError, match=r"^records: load_max_over_mean at step 2 has 1 layer where step 1's has 2"):
+        plot._load_matrix([{"step": 1, "load_max_over_mean": [1.5, 7.0]}, {"step": 2, "load_max_over_mean": [1.2]}])
+    with pytest.raises(ValueError, match=r"^records: tokens_per_expert at step 3 has 3 layers where step 1's has 2"):
+        plot._load_matrix([{"step": 1, "load_max_over_mean": [1.5, 7.0]}, {"step": 3, "tokens_per_expert": [[1, 2]] * 3}])
+    with pytest.raises(ValueError, match=r"^records: tokens_per_expert at step 2 has \[3\] experts per layer where step 1's has \[2\]"):
+        plot._load_matrix([{"step": 1, "tokens_per_expert": [[1, 2]]}, {"step": 2, "tokens_per_expert": [[1, 2, 3]]}])
+    with pytest.raises(ValueError, match=r"^records: load_max_over_mean at step 1 has 2 layers, its tokens_per_expert 1"):
+        plot._load_matrix([{"step": 1, "load_max_over_mean": [1.5, 7.0], "tokens_per_expert": [[1, 2]]}])
+
+
+@pytest.mark.parametrize("records, error", [
+    ([{"step": 1, "tokens_per_expert": [[1, 2], [3, 4]]}, {"step": 2, "tokens_per_expert": [[1, 2]]}],
+     "records: tokens_per_expert at step 2 has 1 layer where step 1's has 2"),  # was an IndexError
+    ([{"step": 1, "tokens_per_expert": [[1, 2]]}, {"step": 2, "tokens_per_expert": [[1, None]]}],
+     "records: tokens_per_expert at step 2: expected a list of per-layer lists of expert counts"),  # TypeError
+    ([{"step": 1, "load_max_over_mean": 1.5}], "records: load_max_over_mean at step 1: expected a list of per-layer numbers, got 1.5"),
+    ([{"step": 1, "loss": 1.0, "tokens_by_source": {"a": None, "b": 3}}],
+     "records: tokens_by_source at step 1: expected a token count (a number >= 0) per source, got {'a': None, 'b': 3}"),
+    ([{"step": 1, "foo": 3.0}, {"step": 2, "foo": 2.0}], "out_dir: nothing to plot in "),  # was exit 0, nothing written or said
+], ids=["layers_change", "null_count", "scalar_load", "null_source_count", "no_known_keys"])
+def test_plot_cli_says_what_is_wrong_with_odd_records(tmp_path, capsys, records, error):
+    """The CLI's error: line (exit 1, no file written), not a traceback or a silent exit 0."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {error}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    if error.startswith("out_dir"):  # names the keys the plots look for, and those the records log
+        assert "the plots draw loss, val_loss," in err and "tokens_per_expert" in err and err.endswith("its records log foo\n")
+
+
 def test_model_flops_per_token_reads_the_model_config():
     from fmoe.model import TransformerConfig
 
