@@ -142,6 +142,10 @@ class Meshes:
         for mesh in (self.dense, self.batch, self.expert):
             if mesh is not None and name in mesh.mesh_dim_names:
                 return mesh[name]
+        if name in EXPERT_AXES and self.expert is None:  # listed below as a name, which it is: say why it is missing here
+            raise ValueError(f"name: {name!r} is an axis of the expert mesh, which these meshes lack (build_meshes(has_experts=False))")
+        if name == "pp":
+            raise ValueError("name: 'pp' is the pipeline mesh's axis, which these meshes lack (build_meshes(pp=1))")
         raise ValueError(f"name: expected one of {DENSE_AXES + ('dp',) + EXPERT_AXES + ('pp',)}, got {name!r}")
 
     def group(self, name: str) -> dist.ProcessGroup:

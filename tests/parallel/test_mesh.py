@@ -51,7 +51,13 @@ def _views(rank, world):
         raised = None
     except ValueError as err:
         raised = str(err)
-    return dict(
+    missing = []  # an axis these meshes lack: the refusal listed it among the names it expected
+    for name in ("ep", "pp"):
+        try:
+            dense_only.axis(name)
+        except ValueError as err:
+            missing.append(str(err))
+    return dict(missing=missing,
         tp=meshes.axis("tp").mesh.tolist(), dp=meshes.axis("dp").mesh.tolist(), ep=meshes.axis("ep").mesh.tolist(),
         edp=meshes.axis("edp").mesh.tolist(), etp=meshes.axis("etp").mesh.tolist(), dp_mesh=meshes.dp_mesh.mesh.tolist(),
         group_sizes={a: meshes.group(a).size() for a in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "edp", "ep", "etp")},
@@ -71,6 +77,8 @@ def test_views_over_four_ranks():
         assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
         assert r["ep_size"] == 2
         assert "ep * etp = 3 does not divide dp_shard * cp * tp = 4" in r["raised"]
+        assert r["missing"] == ["name: 'ep' is an axis of the expert mesh, which these meshes lack (build_meshes(has_experts=False))",
+                                "name: 'pp' is the pipeline mesh's axis, which these meshes lack (build_meshes(pp=1))"]
 
 
 def _a_group_after_the_meshes(rank, world):
