@@ -278,7 +278,14 @@ def roll_packed(
     if x.element_size() not in _BITS:
         raise ValueError(f"x: dtype {x.dtype} ({x.element_size()} bytes per element) is not supported")
     check_cu_seqlens(cu_seqlens, x.shape[dim], check=check)
+    signed = _SIGNED.get(x.dtype)
+    if signed is not None:  # torch's index ops lack uint16/32/64 (a token file's ids): the same bits as the signed type's
+        fill = torch.tensor(fill, dtype=x.dtype).view(signed).item()
+        return _roll(x.view(signed), cu_seqlens.to(x.device), shift, dim, fill, impl).view(x.dtype)
     return _roll(x, cu_seqlens.to(x.device), shift, dim, fill, impl)
+
+
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 def positions_from_cu_seqlens(

@@ -95,7 +95,7 @@ import os
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -177,8 +177,13 @@ class TokenDataset:
     def __init__(self, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                  names: Optional[Sequence[str]], *, vocab_size: int, eos: Optional[int],
                  label_mask: Optional[np.ndarray] = None):
-        if label_mask is not None and (label_mask.ndim != 1 or len(label_mask) != len(data)):
-            raise ValueError(f"label_mask: expected a 1-D array of the data's {len(data)} tokens, got shape {label_mask.shape}")
+        if label_mask is not None and (not isinstance(label_mask, np.ndarray) or label_mask.ndim != 1 or len(label_mask) != len(data)):
+            raise ValueError(f"label_mask: expected a 1-D array of the data's {len(data)} tokens, got "
+                             f"{f'shape {label_mask.shape}' if isinstance(label_mask, np.ndarray) else type(label_mask).__name__}")
+        for name, value in (("data", data), ("starts", starts), ("lengths", lengths)):  # floats were cut to ints silently
+            kind = np.asarray(value).dtype
+            if not (np.issubdtype(kind, np.integer) or (name != "data" and np.asarray(value).size == 0)):
+                raise ValueError(f"{name}: expected an integer array, got {kind}")
         self.data, self.label_mask = data, label_mask
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -556,6 +561,8 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
             or input_ids.dtype == torch.bool:
         got = f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids: expected [T] integer token ids, got {got}")
+    if input_ids.dtype in (torch.uint16, torch.uint32, torch.uint64):  # a token file's ids (torch.from_numpy): torch's min lacks them
+        input_ids = input_ids.long()  # a uint64 id past int64's range turns negative: refused below
     if input_ids.numel() and int(input_ids.min()) < 0:
         raise ValueError(f"input_ids: expected token ids >= 0, got {int(input_ids.min())}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -691,6 +698,8 @@ class Sampler:
         """Resume from state_dict(); the sampler must have the same seed, shuffle flag and
         dataset size (tokens_per_batch and mtp_depth may differ)."""
         keys = ("epoch", "index", "offset", "seed", "shuffle", "n_documents")
+        if not isinstance(state, Mapping):  # None: "argument of type 'NoneType' is not iterable" before
+            raise ValueError(f"state: expected a Sampler's state_dict() (a dict), got {type(state).__name__}")
         missing = [k for k in keys if k not in state]
         if missing:
             raise ValueError(f"state: missing keys {missing}")
@@ -1035,6 +1044,8 @@ class BlendSampler:
         seed and documents; tokens_per_batch and mtp_depth may differ). A one-source blend
         also takes a plain Sampler.state_dict() (its draw counts then start at 0). Nothing
         changes when the state is refused."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state: expected a BlendSampler's (or Sampler's) state_dict() (a dict), got {type(state).__name__}")
         n = len(self.blend.names)
         samplers = self._fresh_samplers()
         if "epoch" in state:  # a Sampler's state: a run from before blends

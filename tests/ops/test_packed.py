@@ -86,6 +86,21 @@ def test_triton_matches_reference(layout, dtype, device):
             assert torch.equal(out, ref), (cu, shift)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_unsigned_ids_of_a_token_file_roll(dtype, device):
+    """torch.from_numpy of a .u16 / .u32 token file's slice: torch's index ops lack these
+    dtypes ("index_select not implemented for 'UInt16'"); rolled as the signed type's bits,
+    the largest ids and a fill past the signed range included."""
+    signed = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}[dtype]
+    top = {torch.uint16: 65535, torch.uint32: 2**32 - 1, torch.uint64: 2**63 + 5}[dtype]
+    big = torch.full((1,), top, dtype=dtype, device=device)
+    x = torch.cat([torch.tensor([5, 6, 0, 7], device=device).to(dtype), big])  # documents [5, 6, 0], [7, top]
+    want = torch.cat([x[1:3], big, x[4:], big])  # each document's next ids, the fill after its last
+    for impl in ("torch", "triton"):
+        out = roll_packed(x, torch.tensor([0, 3, 5], device=device), fill=top, impl=impl)
+        assert out.dtype == dtype and torch.equal(out.view(signed), want.view(signed)), impl
+
+
 def test_random_cu_seqlens_and_wide_rows(device):
     # many sequences (a deep binary search), rows wider than one block (the loop over I),
     # a non-contiguous x, and the default fill

@@ -145,6 +145,8 @@ def test_state_of_another_blend_refused():
         BlendSampler(_blend([3, 1]), 8, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="state: seed is 1, this sampler has 2"):
         BlendSampler(blend, 8, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^state: expected a BlendSampler's \(or Sampler's\) state_dict\(\) \(a dict\), got NoneType"):
+        BlendSampler(blend, 8, seed=2).load_state_dict(None)
     with pytest.raises(ValueError, match=r"state: a single Sampler's state, this blend has 2 sources"):
         BlendSampler(blend, 8, seed=1).load_state_dict(state["samplers"][0])
     with pytest.raises(ValueError, match="missing keys"):

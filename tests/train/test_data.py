@@ -91,6 +91,13 @@ def test_token_dataset_refuses_spans_outside_its_data_and_an_eos_outside_its_voc
             TokenDataset(data, np.array(starts), np.array(lengths), None, vocab_size=10, eos=None)
     with pytest.raises(ValueError, match=r"eos: expected 0..9, got 10"):
         TokenDataset(data, np.array([0]), np.array([5]), None, vocab_size=10, eos=10)
+    # arrays of floats were cut to ints ([1.9, 2.5, 3.99] read as [1, 2, 3]); a label mask that is no array named
+    for name, arrays in (("data", (data.astype(float), [0], [5])), ("starts", (data, np.array([0.0, 2.7]), [2, 1])),
+                         ("lengths", (data, [0, 2], np.array([2.9, 1.2])))):
+        with pytest.raises(ValueError, match=f"^{name}: expected an integer array, got float64"):
+            TokenDataset(*(np.asarray(a) for a in arrays), None, vocab_size=10, eos=None)
+    with pytest.raises(ValueError, match=r"^label_mask: expected a 1-D array of the data's 5 tokens, got list"):
+        TokenDataset(data, np.array([0]), np.array([5]), None, vocab_size=10, eos=None, label_mask=[True] * 5)
     assert TokenDataset(data, np.array([0, 3]), np.array([3, 2]), None, vocab_size=10, eos=9).n_tokens == 7
     # the constructor does not scan its data: a document's ids are checked as it is read, before a batch holds them
     ds = TokenDataset(np.array([5, 900, 7], dtype=np.uint16), np.array([0, 2]), np.array([2, 1]), None, vocab_size=10, eos=None)
@@ -99,6 +106,16 @@ def test_token_dataset_refuses_spans_outside_its_data_and_an_eos_outside_its_voc
         ds.document(0)
     with pytest.raises(ValueError, match=r"vocab_size: document 0 holds token 900"):
         Sampler(ds, 3, seed=0, shuffle=False).next_batch()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_make_batch_takes_the_unsigned_ids_of_a_token_file(dtype):
+    """torch.from_numpy of a .u16 / .u32 file's slice: torch's min lacks these dtypes ("min_all"
+    not implemented for 'UInt16'); the ids are read as int64, their largest value included."""
+    ids = torch.from_numpy(np.array([5, 6, 0, 7, 65535], dtype={torch.uint16: np.uint16, torch.uint32: np.uint32, torch.uint64: np.uint64}[dtype]))
+    batch = make_batch(ids, torch.tensor([0, 3, 5]))
+    assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].tolist() == [5, 6, 0, 7, 65535]
+    assert batch["labels"].tolist() == [6, 0, IGNORE_INDEX, 65535, IGNORE_INDEX]
 
 
 def test_byte_round_trip():
@@ -405,6 +422,8 @@ def test_a_text_file_given_as_a_token_file_is_named_text(tmp_path):
         Sampler(_synthetic(n_docs=4), 8, seed=0).load_state_dict(state)
     with pytest.raises(ValueError, match="missing keys"):
         sampler.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match=r"^state: expected a Sampler's state_dict\(\) \(a dict\), got NoneType"):
+        sampler.load_state_dict(None)
     with pytest.raises(ValueError, match="offset"):
         sampler.load_state_dict({**state, "offset": 10_000})
 
