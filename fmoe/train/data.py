@@ -397,6 +397,12 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
     missing = [k for k in _INDEX_FIELDS if not isinstance(fields, dict) or k not in fields]
     if missing:
         raise ValueError(f"path: the index {str(index)!r} lacks the fields {missing}")
+    for name in ("documents", "tokens", "separator", "vocab_size"):  # a null separator read as "none given", a "2" as a stale count
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "vocab_size" else 0):
+            raise ValueError(f"path: the index {str(index)!r} holds {name} = {value!r}, expected an int >= {1 if name == 'vocab_size' else 0}")
+    if not isinstance(fields.get("loss_mask"), (str, type(None))):  # a file name beside the index, or none
+        raise ValueError(f"path: the index {str(index)!r} holds loss_mask = {fields['loss_mask']!r}, expected a file name or null")
     return fields
 
 

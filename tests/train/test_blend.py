@@ -305,6 +305,12 @@ def test_index_conflicts(tmp_path):
     (tmp_path / "p.u16.index.json").write_text(json.dumps({"tokens": 6}))
     with pytest.raises(ValueError, match=r"lacks the fields \['documents', 'dtype', 'separator', 'vocab_size'\]"):
         load_token_file(path)
+    # fields of another type: a null separator was read as "none given", a "2" as a stale count, an int loss_mask a TypeError
+    for field, value, expected in (("separator", None, "an int >= 0"), ("documents", "3", "an int >= 0"), ("tokens", True, "an int >= 0"),
+                                   ("vocab_size", 0, "an int >= 1"), ("loss_mask", 1, "a file name or null")):
+        _write_tokens(path, [5, 0, 49, 7, 0, 8], "uint16", {**index, field: value})
+        with pytest.raises(ValueError, match=rf"^path: the index .*p.u16.index.json' holds {field} = {value!r}, expected {expected}"):
+            load_token_file(path)
 
 
 # ---------------------------------------------------------------- bad inputs name their source
