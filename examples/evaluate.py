@@ -38,7 +38,10 @@ and the length-normalised accuracy (score_choices); --questions N takes the firs
 Printed: per source and overall, the tokens counted (those with a next token in their
 document), the mean loss, its perplexity and bits per byte (byte corpora) or per token;
 the MTP depths' losses when the model has MTP modules. --json prints one JSON object
-instead: {"loss", "tokens", "by_source": {name: {"loss", "tokens"}}, "mtp_losses"}.
+instead: {"loss", "tokens", "by_source": {name: {"loss", "tokens"}}, "mtp_losses"}. A
+source (or MTP depth) with no counted token has no loss (null), and an evaluation with
+none at all stops with an error; a source without a micro-batch is named in a note
+(standard error).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
+from fmoe.train.data import Blend  # noqa: E402
 from fmoe.train.run import ArgumentParser, run_script  # noqa: E402
 
 
@@ -67,9 +71,10 @@ from fmoe.train.run import ArgumentParser, run_script  # noqa: E402
 def evaluate(model: Transformer, batches: list, sources: list[str], *, device: torch.device, meshes=None) -> dict:
     """The loss sums of `batches` (make_batch TensorDicts), each from the source named in
     `sources`: {"loss": mean over every counted token, "tokens": their count, "by_source":
-    {name: {"loss", "tokens"}} in first-seen order, "mtp_losses": [depth d's mean loss]}.
-    One forward per micro-batch, eval mode; the sums stay on the device (float64) until one
-    transfer at the end.
+    {name: {"loss", "tokens"}} in first-seen order, "mtp_losses": [depth d's mean loss]}; a
+    loss over no counted token is None (nothing measured), not 0. One forward per
+    micro-batch, eval mode; the sums stay on the device (float64) until one transfer at the
+    end.
 
     meshes: the fmoe.parallel.Meshes a model was parallelized over (under torchrun; every
     rank calls this with the same batches). The data-parallel ranks take turns: batch i
@@ -103,25 +108,28 @@ def evaluate(model: Transformer, batches: list, sources: list[str], *, device: t
     if meshes is not None:
         sums = parallel.all_reduce_sums(sums, meshes.stage_mesh)
     host = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one device -> host transfer
-    by_source = {name: dict(loss=host[f"sum_{j}"] / max(host[f"tokens_{j}"], 1), tokens=round(host[f"tokens_{j}"]))
+    mean = lambda total, count: total / count if round(count) else None  # noqa: E731  (no token: nothing measured)
+    by_source = {name: dict(loss=mean(host[f"sum_{j}"], host[f"tokens_{j}"]), tokens=round(host[f"tokens_{j}"]))
                  for j, name in enumerate(names)}
     tokens = sum(r["tokens"] for r in by_source.values())
-    return dict(loss=sum(host[f"sum_{j}"] for j in range(len(names))) / max(tokens, 1), tokens=tokens, by_source=by_source,
-                mtp_losses=[host[f"mtp_{d}_sum"] / max(host[f"mtp_{d}_tokens"], 1) for d in range(1, model.cfg.mtp_depth + 1)])
+    return dict(loss=mean(sum(host[f"sum_{j}"] for j in range(len(names))), tokens), tokens=tokens, by_source=by_source,
+                mtp_losses=[mean(host[f"mtp_{d}_sum"], host[f"mtp_{d}_tokens"]) for d in range(1, model.cfg.mtp_depth + 1)])
 
 
 def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches: int, mtp_depth: int,
                  whole_documents: bool = False) -> tuple[list, list[str]]:
     """(micro-batches, their sources) of `corpus` (a Blend): the split's validation batches
-    as the loop draws them (n_batches > 0), or every whole micro-batch of every source (0);
-    whole_documents as for fmoe.train.data.Sampler."""
+    as the loop draws them (n_batches > 0), or every whole micro-batch of every source (0:
+    a source of fewer than `tokens` tokens has none); whole_documents as for
+    fmoe.train.data.Sampler. The val split needs no training documents (val_percent=100)."""
     if split not in ("val", "train", "all"):
         raise ValueError(f"--split: expected val, train or all, got {split!r}")
     if n_batches < 0:
         raise ValueError(f"--batches: expected >= 0 (0: every whole micro-batch), got {n_batches}")
-    if split != "all":
-        train, val = corpus.split(val_percent)
-        corpus = val if split == "val" else train
+    if split == "val":  # each source's validation part, as Blend.split's, which refuses a source left without training documents
+        corpus = Blend([d.split(val_percent)[1] for d in corpus.datasets], corpus.names, corpus.weights, corpus.paths)
+    elif split == "train":
+        corpus = corpus.split(val_percent)[0]
     if n_batches:
         return (corpus.validation_batches(tokens, n_batches, mtp_depth=mtp_depth, whole_documents=whole_documents),
                 corpus.validation_sources(n_batches))
@@ -353,15 +361,24 @@ def main(argv: list[str]) -> None:
         if same_data and args.split == "val" and loop.get("eval_batches") == 0:
             raise ValueError("--split=val: the run held no documents out (it trained with --eval_batches=0, on every document): "
                              "give --data of documents it did not see, or --split=train or all to measure its fit")
+        n_batches = args.batches if args.batches is not None else loop.get("eval_batches") or 16
         batches, sources = data_batches(
             corpus, split=args.split, val_percent=args.val_percent if args.val_percent is not None else loop.get("val_percent", 5),
-            tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches") or 16, mtp_depth=model.cfg.mtp_depth,
+            tokens=tokens, n_batches=n_batches, mtp_depth=model.cfg.mtp_depth,
             whole_documents=args.whole_documents if args.whole_documents is not None else loop.get("whole_documents", False))
     except (OSError, ValueError) as err:
-        sys.exit(f"data: {err}")
+        sys.exit(str(err) if str(err).startswith("data:") else f"data: {err}")  # load_blend's errors name the data already
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
         result = evaluate(model, batches, sources, device=device, meshes=meshes)
+    if not result["tokens"]:  # no loss to report: 0 would read as a perfect model
+        sys.exit(f"--tokens_per_micro_batch, --batches: no token was counted in {len(batches)} micro-batch(es) of {tokens} tokens (a token "
+                 "counts when the next one is in its document and micro-batch, and its label is not masked); give more tokens per "
+                 "micro-batch, more --batches, or other --data")
     if rank == 0:
+        for name in (n for n in corpus.names if n not in sources):  # a source without a micro-batch has no row: say so
+            why = (f"it holds fewer than one micro-batch of {tokens} tokens (--tokens_per_micro_batch) in the {args.split} split"
+                   if not n_batches else f"its weight's share of the {n_batches} --batches is none")
+            print(f"note: source {name!r} is left out: {why}", file=sys.stderr)
         report(result, unit="byte" if corpus.byte_tokens else "token", as_json=args.json)
     if meshes is not None:
         parallel.leave_ranks()
@@ -395,17 +412,18 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
 
 
 def report(result: dict, *, unit: str, as_json: bool) -> None:
-    """Print evaluate's result: one JSON object, or a line per source (and overall when
-    there are several) and per MTP depth."""
+    """Print evaluate's result: one JSON object (a loss over no token null), or a line per
+    source (and overall when there are several) and per MTP depth."""
     if as_json:
         print(json.dumps(result))
         return
     rows = [*result["by_source"].items()] + ([("all", result)] if len(result["by_source"]) > 1 else [])
+    nothing = "no loss: no token with a next one in its document and micro-batch was counted"
     for name, r in rows:
-        print(f"{name}: {r['tokens']} tokens, loss {r['loss']:.4f}, perplexity {math.exp(r['loss']):.3f}, "
-              f"bits per {unit} {r['loss'] / math.log(2):.4f}")
+        print(f"{name}: {r['tokens']} tokens, " + (nothing if r["loss"] is None else f"loss {r['loss']:.4f}, perplexity "
+              f"{math.exp(r['loss']):.3f}, bits per {unit} {r['loss'] / math.log(2):.4f}"))
     for d, loss in enumerate(result["mtp_losses"], 1):
-        print(f"mtp depth {d}: loss {loss:.4f}")
+        print(f"mtp depth {d}: " + ("no loss: no token was counted at this depth" if loss is None else f"loss {loss:.4f}"))
 
 if __name__ == "__main__":
     run_script(main, sys.argv[1:])

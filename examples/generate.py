@@ -52,6 +52,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
+import numbers
 import os
 import re
 import sys
@@ -253,7 +255,9 @@ def start_ranks(device: torch.device, sizes: dict) -> torch.device:
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, eos: Union[int, Sequence[int], None] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
-    prompt, a negative number of tokens or temperature, or top_p outside (0, 1]."""
+    prompt or ids that are not the model's, `tokens` not an int >= 0 or past the model's
+    learned positions (position_limit), a temperature not a finite number >= 0, or top_p
+    outside (0, 1]."""
     return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos)[0]
 
 
@@ -273,20 +277,32 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     group of its ranks, every one calling this with the same prompts: the tokens that the
     group's first rank draws at each step are broadcast to the others (one small collective
     per step), so every rank feeds the same tokens and stops at the same step."""
-    if not prompts:
-        raise ValueError("prompts: expected at least one prompt")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts: expected at least one prompt (a list of token id lists), got {prompts!r:.80}")
+    prompts = [p.tolist() if isinstance(p, torch.Tensor) and p.ndim == 1 else p for p in prompts]
+    if not all(isinstance(p, (list, tuple)) for p in prompts):
+        raise ValueError(f"prompt: expected a list of int token ids, got {next(p for p in prompts if not isinstance(p, (list, tuple)))!r:.80}")
     if any(not prompt for prompt in prompts):
         raise ValueError("prompt: expected at least one token")
+    not_ids = [t for prompt in prompts for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if not_ids:
+        raise ValueError(f"prompt: expected int token ids, got {not_ids[0]!r:.80}")
     vocab = model.cfg.vocab_size
     outside = sorted({t for prompt in prompts for t in prompt if not 0 <= t < vocab})
     if outside:
         raise ValueError(f"prompt: token ids {outside[:8]} are outside the model's vocabulary 0..{vocab - 1}")
-    if tokens < 0:
-        raise ValueError(f"tokens: expected >= 0 new tokens, got {tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0 (0: greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p: expected a number in (0, 1], got {top_p}")
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"tokens: expected an int >= 0 (new tokens), got {tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
+    limit, longest = position_limit(model), max(map(len, prompts))
+    if limit is not None and longest > limit:
+        raise ValueError(f"prompt: expected at most {limit} tokens, the model's learned positions (abs_positions), got {longest}")
+    if limit is not None and longest + tokens - 1 > limit:  # the last new token is drawn, never fed back: no position of its own
+        raise ValueError(f"tokens: expected at most {limit + 1 - longest} new tokens after a prompt of {longest} (the model's {limit} "
+                         f"learned positions, abs_positions), got {tokens}")
     stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     model.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -313,12 +329,19 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     return out
 
 
+def position_limit(model: Transformer) -> Optional[int]:
+    """The most tokens a sequence of the model may hold: its learned absolute positions
+    (TransformerConfig.abs_positions), else None (no limit)."""
+    return model.cfg.abs_positions
+
+
 def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    """Greedy (temperature 0), else a draw from softmax(logits / temperature) over the
-    smallest set of most likely tokens whose probability reaches top_p."""
+    """Greedy (temperature 0), else a draw from softmax(logits / temperature) (logits [V])
+    over the smallest set of most likely tokens whose probability reaches top_p."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # from the largest logit, in float64: a tiny temperature sends the others to -inf (greedy), never the largest to inf or nan
+    probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1)
     sorted_p, order = probs.sort(descending=True)
     keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix reaching top_p
     sorted_p = sorted_p * keep
@@ -403,6 +426,13 @@ def main(argv: list[str]) -> None:
     else:
         sys.exit("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run whose data's index "
                  "names no tokenizer that is here); give token ids")
+    limit, where = position_limit(model), "--prompt_ids" if args.prompt_ids else "--prompt"
+    if limit is not None and len(prompt) > limit:
+        sys.exit(f"{where}: a prompt of {len(prompt)} tokens, past the model's {limit} learned positions (abs_positions); "
+                 f"expected at most {limit} tokens")
+    if limit is not None and len(prompt) + args.tokens - 1 > limit:  # the last new token is never fed back
+        sys.exit(f"--tokens, {where}: a prompt of {len(prompt)} tokens and {args.tokens} new ones go past the model's {limit} learned "
+                 f"positions (abs_positions); expected --tokens <= {limit + 1 - len(prompt)}, or a shorter prompt")
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")

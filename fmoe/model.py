@@ -2466,7 +2466,8 @@ class KVCache:
     starts over from 0: the ring no longer holds the keys a shorter length needs, and
     decode refuses it. A model whose LongRoPE switches (TransformerConfig.longrope_switches)
     also keeps each sequence's token ids, tokens [batch, max_tokens] int64 (None otherwise):
-    decode recomputes a sequence from them when it grows past the original positions.
+    decode recomputes a sequence from them when it grows past the original positions (or
+    continues within them after going back from past them).
     Heavily compressed attention layers (cfg.compress_layers, `compress_layers`) also keep
     each sequence's compressed entries, entries [n_compress, batch * (max_tokens // m), D]
     (sequence b's runs in rows b (max_tokens // m) + j), and its open run's compressor inputs,
@@ -2989,8 +2990,9 @@ class Transformer(nn.Module):
         tokens of one call). Reads the cache's lengths on the host, never a device value.
         LongRoPE: a sequence's keys rotate by the short factors while it is at most
         longrope_original_max_positions long and by the long ones past that, as in the whole
-        sequence's forward; the call that takes a sequence past it recomputes the sequence
-        from its cached token ids (KVCache.tokens), as one prompt.
+        sequence's forward; the call that takes a sequence past it, or that continues a
+        sequence rewound from past it (cache.lengths set lower) and stays within it,
+        recomputes the sequence from its cached token ids (KVCache.tokens), as one prompt.
 
         The whole model, as logits: on one process, or parallelized by fmoe.parallel.
         parallelize over FSDP2, tensor and expert parallelism (a model larger than one device),
@@ -3015,6 +3017,8 @@ class Transformer(nn.Module):
         if self.cfg.longrope_switches and cache.tokens is None:
             raise ValueError("cache: made without the token ids that the model's LongRoPE recomputes a sequence from past its original positions "
                              "(make the cache with model.kv_cache)")
+        if not isinstance(input_ids, torch.Tensor):  # a list of ids: torch.tensor(ids) on the model's device
+            raise ValueError(f"input_ids: expected a tensor [T] or [S, T] int64, got {type(input_ids).__name__}")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.shape[0] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected [T] or [S, T] int64 with S, T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
         computes = self.compute_dtype or self.embed.dtype
@@ -3042,9 +3046,10 @@ class Transformer(nn.Module):
             if cache.linear_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
                 raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the linear-attention layers keep only the "
                                  "state after the last token, so a sequence continues from there or restarts from 0 (cache.reset)")
-        if self.cfg.longrope_switches:  # a sequence going past the original positions: every key's rotation changes
+        if self.cfg.longrope_switches:  # a sequence going past the original positions, or back below them: every key's rotation changes
             L = self.cfg.longrope_original_max_positions
-            crossing = [b for b in seq_list if 0 < cache.lengths[b] <= L < cache.lengths[b] + T]
+            crossing = [b for b in seq_list if 0 < cache.lengths[b] <= L < cache.lengths[b] + T  # its cached keys short, now long
+                        or 0 < cache.lengths[b] and cache.lengths[b] + T <= L < cache.decoded_lengths[b]]  # rewound: long, now short
             if crossing:
                 return self._decode_past_longrope(input_ids, cache, seq_list, crossing)
         # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
@@ -3113,8 +3118,9 @@ class Transformer(nn.Module):
 
     def _decode_past_longrope(self, input_ids: torch.Tensor, cache: KVCache, seq_list: list[int], crossing: list[int]) -> torch.Tensor:
         """decode's logits where the sequences `crossing` go past LongRoPE's original positions
-        in this call: each of those restarts and takes its cached tokens and the new ones as
-        one prompt (its keys all rotated by the long factors), the others continue together."""
+        in this call (or stay within them after a rewind from past them): each of those
+        restarts and takes its cached tokens and the new ones as one prompt (its keys all
+        rotated as the whole sequence's), the others continue together."""
         T = input_ids.shape[-1]
         rows = input_ids.reshape(-1, T)
         out: list[Optional[torch.Tensor]] = [None] * len(seq_list)

@@ -142,6 +142,55 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     assert refused.returncode != 0 and "the data's 258 token ids do not fit the model's vocab_size 64" in refused.stderr
 
 
+def test_nothing_counted_is_no_loss_and_a_left_out_source_is_named(run_dir, tmp_path):
+    """A source (or MTP depth) whose micro-batches count no token has no loss (None, JSON
+    null), not 0 (perplexity 1, a perfect model); nothing counted at all stops with an
+    error naming the knobs; with --batches=0 a source shorter than one micro-batch is named
+    in a note, not left out in silence. --split=val needs no training documents; load_blend's
+    errors are not prefixed "data: " twice."""
+    from fmoe.train.data import make_batch
+
+    out, _ = run_dir
+    model, _ = evaluate.load_model(out)
+    counted = make_batch(torch.arange(97, 105), torch.tensor([0, 8]), 1)
+    ones = make_batch(torch.arange(97, 105), torch.arange(9), 1)  # 8 documents of one token: no next token in any
+    got = evaluate.evaluate(model, [counted, ones], ["long", "ones"], device=torch.device("cpu"))
+    assert got["by_source"]["ones"] == dict(loss=None, tokens=0) and got["tokens"] == got["by_source"]["long"]["tokens"] == 7
+    assert got["loss"] == pytest.approx(got["by_source"]["long"]["loss"]) and got["mtp_losses"][0] > 0
+    alone = evaluate.evaluate(model, [ones], ["ones"], device=torch.device("cpu"))
+    assert alone["loss"] is None and alone["tokens"] == 0 and alone["mtp_losses"] == [None]
+    (small := tmp_path / "small").mkdir()
+    for i, text in enumerate(["def f(x):\n", "import os, sys\nprint(os)\n", "class A:\n    pass\n"]):
+        (small / f"{i}.txt").write_text(text)  # 56 tokens with their ends of document
+    (short := tmp_path / "short").mkdir()
+    (short / "a.txt").write_text("ab")  # 3 tokens
+    blend = f"--data=0.5:{small},0.5:{short}"
+    cases = exits(ROOT / "examples" / "evaluate.py", [
+        [out, f"--data={small}", "--split=all", "--batches=0", "--tokens_per_micro_batch=1"],  # a token alone in each micro-batch
+        [out, blend, "--split=all", "--batches=0", "--tokens_per_micro_batch=8", "--json"],
+        [out, blend, "--split=all", "--batches=2", "--tokens_per_micro_batch=2", "--json"],  # one label each, none 2 ahead (MTP)
+        [out, f"--data={small}", "--val_percent=100", "--split=val", "--batches=1", "--tokens_per_micro_batch=8"],
+        [out, f"--data={tmp_path / 'nowhere'}"],
+    ])
+    assert cases[0]["status"] != 0 and ("--tokens_per_micro_batch, --batches: no token was counted in 56 micro-batch(es) of 1 tokens"
+                                        in cases[0]["text"]), cases[0]
+    assert cases[1]["status"] == 0 and "note: source 'short' is left out: it holds fewer than one micro-batch of 8 tokens" in cases[1]["text"]
+    assert list(json.loads(cases[1]["out"])["by_source"]) == ["small"], cases[1]
+    assert cases[2]["status"] == 0 and json.loads(cases[2]["out"])["mtp_losses"] == [None], cases[2]
+    assert cases[3]["status"] == 0 and cases[3]["out"].startswith("small: 7 tokens, loss "), cases[3]  # was "no training documents ..."
+    assert cases[4]["status"] != 0 and cases[4]["text"].startswith("data: source ") and "data: data:" not in cases[4]["text"], cases[4]
+
+
+def test_a_source_without_a_counted_token_prints_no_loss(capsys):
+    result = dict(loss=2.0, tokens=7, by_source=dict(a=dict(loss=2.0, tokens=7), b=dict(loss=None, tokens=0)), mtp_losses=[None])
+    evaluate.report(result, unit="byte", as_json=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "b: 0 tokens, no loss: no token with a next one in its document and micro-batch was counted"
+    assert lines[2].startswith("all: 7 tokens, loss 2.0000") and lines[3] == "mtp depth 1: no loss: no token was counted at this depth"
+    evaluate.report(result, unit="byte", as_json=True)
+    assert json.loads(capsys.readouterr().out)["by_source"]["b"] == {"loss": None, "tokens": 0}
+
+
 BAD_KNOBS = [
     (["--split=test"], "argument --split: invalid choice: 'test'"),
     (["--batches=-1"], "--batches: expected >= 0"),

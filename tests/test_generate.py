@@ -264,18 +264,67 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1.0), "temperature: expected >= 0"),
+    (dict(temperature=-1.0), r"temperature: expected a finite number >= 0 \(0: greedy\), got -1.0"),
+    (dict(temperature=float("nan")), "temperature: expected a finite number >= 0 .*, got nan"),  # was torch.multinomial's RuntimeError
+    (dict(temperature=float("inf")), "temperature: expected a finite number >= 0 .*, got inf"),  # was a uniform draw
     (dict(top_p=0.0), r"top_p: expected a number in \(0, 1\]"),
-    (dict(tokens=-1), "tokens: expected >= 0 new tokens, got -1"),
+    (dict(top_p="0.5"), r"top_p: expected a number in \(0, 1\], got '0.5'"),
+    (dict(tokens=-1), r"tokens: expected an int >= 0 \(new tokens\), got -1"),
+    (dict(tokens=2.5), r"tokens: expected an int >= 0 \(new tokens\), got 2.5"),  # was kv_cache's "max_tokens: ..., got 8.5"
+    (dict(tokens="3"), r"tokens: expected an int >= 0 \(new tokens\), got '3'"),  # was a TypeError
 ])
 def test_bad_sampling_knobs(run_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate.generate(run_dir[1], [1, 2], **{"tokens": 2, **kwargs})
+    for prompts in ([["a"]], [[1, 2.0]]):  # was a TypeError
+        with pytest.raises(ValueError, match="prompt: expected int token ids, got "):
+            generate.generate_many(run_dir[1], prompts, tokens=2)
+    with pytest.raises(ValueError, match="prompt: expected a list of int token ids, got 5"):
+        generate.generate_many(run_dir[1], [5], tokens=2)
     with pytest.raises(ValueError, match="prompt: expected at least one token"):
         generate.generate(run_dir[1], [], tokens=2)
     vocab = run_dir[1].cfg.vocab_size
     with pytest.raises(ValueError, match=rf"prompt: token ids \[-3, {vocab}\] are outside the model's vocabulary 0..{vocab - 1}"):
         generate.generate(run_dir[1], [1, vocab, -3], tokens=2)
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens(run_dir):
+    """softmax(logits / temperature) from the largest logit in float64: a temperature whose
+    scaled logits overflow float32 (1e-40) or float64 (5e-324) leaves the most likely token
+    alone, as greedy decoding (it was torch.multinomial's RuntimeError on inf and nan)."""
+    model, prompt = run_dir[1], list(b"def ")
+    greedy = generate.generate(model, prompt, tokens=5)
+    for temperature in (1e-40, 5e-324):
+        assert generate.generate(model, prompt, tokens=5, temperature=temperature, seed=2) == greedy
+    gen = torch.Generator().manual_seed(0)
+    assert generate._next_token(torch.tensor([3.0, 1e4, -1e4]), 1e-45, 1.0, gen) == 1
+
+
+def test_learned_positions_bound_the_prompt_and_tokens(tmp_path):
+    """A model of 8 learned absolute positions (abs_positions): a prompt and its new tokens
+    fit when they take 8 positions (the last new token is drawn, never fed back); more
+    stop before generating, naming tokens (or the prompt; the CLI's --tokens, --prompt),
+    not after some tokens in the model's "positions: ... past the 8 learned positions"."""
+    from fmoe.train import checkpoint
+    from fmoe.train.run import write_config
+
+    cfg = TransformerConfig(vocab_size=258, hidden=16, n_layers=1, n_dense=1, ffn_dense=32, n_heads=2, n_kv_heads=1, head_dim=8,
+                            abs_positions=8)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    assert len(generate.generate(model, [1, 2, 3], tokens=6)) == 9
+    assert len(generate.generate(model, list(range(8)), tokens=1)) == 9
+    with pytest.raises(ValueError, match=r"tokens: expected at most 6 new tokens after a prompt of 3 \(the model's 8 learned positions"):
+        generate.generate_many(model, [[1], [1, 2, 3]], tokens=7)
+    with pytest.raises(ValueError, match=r"prompt: expected at most 8 tokens, the model's learned positions \(abs_positions\), got 9"):
+        generate.generate(model, list(range(9)), tokens=0)
+    write_config(tmp_path, {"model": dataclasses.asdict(cfg), "data": ""}, vocab_size=258)
+    checkpoint.save(tmp_path, 1, model=model, optimizers=[])
+    cli = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(tmp_path), "--prompt=abc", "--tokens=7"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode != 0 and cli.stdout == "" and "Traceback" not in cli.stderr, cli.stderr[-2000:]
+    assert ("--tokens, --prompt: a prompt of 3 tokens and 7 new ones go past the model's 8 learned positions (abs_positions); "
+            "expected --tokens <= 6, or a shorter prompt") in cli.stderr, cli.stderr[-2000:]
 
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"

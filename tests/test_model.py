@@ -2367,6 +2367,33 @@ def test_decode_past_longrope_s_original_positions_recomputes_the_sequence():
         model.decode(ids[0, :2], KVCache(TINY, 16))
 
 
+def test_decode_rewound_from_past_longrope_s_original_positions_recomputes_the_sequence():
+    """A sequence decoded past LongRoPE's 6 original positions, then rewound (cache.length
+    set lower) to within them: its cached keys have the long factors' rotation, so the next
+    call that stays within 6 recomputes it with the short ones; a call that goes past 6
+    again, or a rewind that never crossed, matches the whole sequence's logits too."""
+    model = _sharp(dataclasses.replace(DECODED["longrope"], longrope_original_max_positions=6))
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 12))
+
+    def whole(seq):
+        with torch.no_grad():
+            return model.logits(seq, torch.tensor([0, len(seq)], dtype=torch.int32))
+
+    for length, new in [(3, 2), (3, 3), (3, 4), (6, 1), (8, 1)]:  # back to 3 then up to 5, 6 or 7; back to 6 then 7; 8 stays long
+        cache = model.kv_cache(16)
+        model.decode(ids[0, :10], cache)  # past the 6 original positions: the long factors
+        cache.length = length
+        seq = torch.cat([ids[0, :length], ids[1, :new]])
+        torch.testing.assert_close(model.decode(ids[1, :new], cache), whole(seq)[length:], rtol=1e-5, atol=1e-5)
+        assert cache.length == cache.decoded_lengths[0] == length + new
+    # the rewind matters: the long factors' keys kept for a 5-token sequence would give other logits
+    assert float((whole(ids[0, :7])[:5] - whole(ids[0, :5])).abs().max()) > 0.1
+    cache = model.kv_cache(16)  # a rewind within the short factors continues from the cache
+    model.decode(ids[0, :5], cache)
+    cache.length = 3
+    torch.testing.assert_close(model.decode(ids[1, :2], cache), whole(torch.cat([ids[0, :3], ids[1, :2]]))[3:], rtol=1e-5, atol=1e-5)
+
+
 # Ling's bounded decay reaches e^-5 a step with these sharp weights: the chunked rule (the whole sequence) and the
 # stepwise one (decoding) round apart by up to 3e-5 in a logit (their float64 loop: test_linear_attention). Mamba-2's
 # three mixers in a row, with nothing else between them: the whole sequence in chunks of 4 instead of 64 already moves a
@@ -2564,6 +2591,8 @@ def test_decode_bad_inputs():
         model.decode(ids[:0], cache)
     with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
         model.decode(ids.float(), cache)
+    with pytest.raises(ValueError, match=r"input_ids: expected a tensor \[T\] or \[S, T\] int64, got list"):
+        model.decode([1, 2], cache)  # was an AttributeError
     for bad in (TINY.vocab_size, -1):  # no host read: the device's assert (on CPU, at once), before the cache is written
         with pytest.raises(RuntimeError, match=rf"input_ids: an id outside 0..{TINY.vocab_size - 1} \(vocab_size\)"):
             model.decode(torch.tensor([1, bad]), cache)
