@@ -491,7 +491,10 @@ class ExpertParallel:
     ranks whose token counts differ (a rank with none, a short last batch); every rank of
     the group must pass the same max_tokens. Not used without a capacity factor: then the
     count exchange sizes the all-to-alls (the one host sync per call). cfg.align is not
-    used: the exchanged rows carry no alignment padding.
+    used: the exchanged rows carry no alignment padding. The routes must be capacity-dropped
+    already (fmoe.ops.drop_by_capacity, as moe() runs it before the dispatcher): each expert's
+    slots past C are not exchanged, so routes that were not dropped lose them silently (their
+    rows of y zero), where local_experts would compute them.
 
     token_shards: x is one of token_shards equal slices of a micro-batch of token_shards T
     tokens whose capacity drop ran over all of them (sequence parallelism, where
