@@ -334,14 +334,7 @@ def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
 
     records = [{"step": s, "loss": 3.0, "tokens_per_expert": [[3, 1, 2, 2], [2, 2, 2, 2]], "moe_layers": ["layer_1", "mtp_1"]}
                for s in (1, 2)]
-    pyplot, figures = plot._pyplot(), []
-
-    class Keeps:  # pyplot, whose close keeps the figure to read
-        subplots = staticmethod(pyplot.subplots)
-
-        @staticmethod
-        def close(fig):
-            figures.append(fig)
+    pyplot, Keeps, figures = _keeping_pyplot()
 
     assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
     axes = [ax for ax in figures[0].axes if ax.get_title()]
@@ -353,6 +346,22 @@ def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
     assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
     assert [ax.get_title() for ax in figures[1].axes if ax.get_title()][1:] == [f"layer {i}: tokens per expert / uniform" for i in (0, 1)]
     pyplot.close("all")
+
+
+def _keeping_pyplot():
+    """(pyplot, a stand-in for it whose close keeps each figure to read, the figures kept)."""
+    from fmoe.train import plot
+
+    pyplot, figures = plot._pyplot(), []
+
+    class Keeps:
+        subplots = staticmethod(pyplot.subplots)
+
+        @staticmethod
+        def close(fig):
+            figures.append(fig)
+
+    return pyplot, Keeps, figures
 
 
 def test_plot_missing_metrics(tmp_path, capsys):
@@ -373,14 +382,7 @@ def test_expert_load_heatmap_draws_each_column_at_its_step(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
     from fmoe.train import plot
 
-    pyplot, figures = plot._pyplot(), []
-
-    class Keeps:  # pyplot, whose close keeps the figure to read
-        subplots = staticmethod(pyplot.subplots)
-
-        @staticmethod
-        def close(fig):
-            figures.append(fig)
+    pyplot, Keeps, figures = _keeping_pyplot()
 
     # out of order and step 100 logged twice (a resumed run): a column per step, its last record's
     records = [{"step": s, "tokens_per_expert": [[c, 4 - c]]} for s, c in ((1, 4), (200, 2), (100, 0), (100, 2), (300, 2))]
