@@ -2118,10 +2118,10 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
             raise ValueError(f"params['{name}_bias']: expected {'a bias' if cfg.qk_norm_bias else 'none'} with cfg.qk_norm_bias = {cfg.qk_norm_bias}")
     for name, shape in optional.items():
         w = params.get(name)
-        if w is not None and (tuple(w.shape) != shape or (name in ("bq", "bk", "bv") and w.dtype != x_TH.dtype)):
-            # the biases in x's dtype: a float32 bq made the queries float32, which SDPA refused beside bf16 keys
-            raise ValueError(f"params['{name}']: expected {x_TH.dtype if name in ('bq', 'bk', 'bv') else 'a'} {list(shape)} tensor, "
-                             f"got {w.dtype} {list(w.shape)}")
+        if w is not None and tuple(w.shape) != shape:
+            raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
+        if w is not None and name in ("bq", "bk", "bv") and w.dtype != x_TH.dtype:  # a float32 bq made the queries float32, which SDPA refused
+            raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)} tensor, got {w.dtype} {list(w.shape)}")
     compress = compress_shapes(H, cfg)  # heavily compressed attention's compressor
     if compress and params.get("alibi") is not None:
         raise ValueError("params['alibi']: ALiBi's distances are the keys', not heavily compressed attention's entries (cfg.compress_rate)")

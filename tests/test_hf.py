@@ -2808,7 +2808,7 @@ BAD_CONFIGS = [
     ("mistral4", lambda c: c["rope_parameters"].pop("llama_4_scaling_beta"),
      r"config.json: mistral4's rope_parameters need llama_4_scaling_beta and original_max_position_embeddings"),
     ("ministral3", lambda c: c["rope_parameters"].update(mscale_all_dim=0.5),
-     r"config.json: rope_parameters with mscale 1.0 and mscale_all_dim 0.5 are not supported in Ministral 3 \(both equal, or neither\)"),
+     r"config.json: rope_parameters with mscale 1.0 and mscale_all_dim 0.5 are not supported for ministral3 \(both equal, or neither\)"),
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
