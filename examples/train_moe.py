@@ -546,7 +546,8 @@ def main(argv: list[str]) -> None:
         sys.exit(f"schedule knobs (--steps, --warmup, --lr, --min_lr, --init_lr, --lr_style, --wsd_decay, --wsd_style, --batch_schedule): {err}")
 
     step, tokens_seen = 0, 0
-    if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
+    # a resumed run: rank 0 removes the .tmp folders of saves a stop interrupted (no save is in flight yet)
+    if cfg.resume and (path := checkpoint.latest(cfg.out_dir, delete_partial=rank == 0)):
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:
             changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}

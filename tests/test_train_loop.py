@@ -85,8 +85,10 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert _train(whole, "--steps=10", "--ckpt_every=100", "--deterministic").returncode == 0
     first = _train(parts, "--steps=10", "--stop_at=6", "--ckpt_every=4", "--deterministic")
     assert first.returncode == 0, first.stderr[-3000:]
+    (parts / "step_000007.tmp").mkdir()  # a save the stop interrupted: removed by the resumed run
     second = _train(parts, "--steps=10", "--resume", "--deterministic")  # a bare flag is True
     assert second.returncode == 0, second.stderr[-3000:]
+    assert not (parts / "step_000007.tmp").exists()
     assert "resumed from" in second.stdout and "step_000006" in second.stdout
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
