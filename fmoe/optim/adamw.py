@@ -323,6 +323,31 @@ def check_hyperparameters(group: dict) -> None:
     check_number("weight_decay", group["weight_decay"], "a finite weight_decay >= 0", lambda v: v >= 0.0)
 
 
+def check_params_once(params: list, param_groups: list[dict]) -> None:
+    """ValueError for a tensor of `params` (a group being added) listed twice, or already in
+    param_groups: torch only warns within a group, and a step updated it twice."""
+    seen = {id(q) for g in param_groups for q in g["params"]}
+    for p in params:
+        if isinstance(p, torch.Tensor):
+            if id(p) in seen:
+                raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
+            seen.add(id(p))
+
+
+def check_state_shapes(param_groups: list[dict], state_dict: dict, shapes: dict[str, Callable[[torch.Tensor], torch.Size]]) -> None:
+    """ValueError naming the parameter's index, before a load: a saved state entry of
+    `shapes` (key -> the shape it must have, from its parameter) of another shape (torch's
+    loader took it, and the next step failed inside torch). Other group sizes: torch's
+    loader's own ValueError."""
+    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    params = [p for group in param_groups for p in group["params"]]
+    for i, p in zip(saved_ids, params):
+        for key, value in state_dict["state"].get(i, {}).items():
+            if key in shapes and isinstance(value, torch.Tensor) and value.shape != shapes[key](p):
+                raise ValueError(f"state_dict: expected {key} of parameter {i} to have the parameter's shape "
+                                 f"{tuple(shapes[key](p))}, got {tuple(value.shape)}")
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with bf16 moments, float32 master weights, a fused
     multi-tensor Triton step on CUDA and DTensor parameters.
@@ -384,16 +409,11 @@ class AdamW(torch.optim.Optimizer):
             params = [params]
         elif not isinstance(params, set):  # a set: torch's TypeError (unordered)
             params = list(params)
-        seen = {id(q) for g in self.param_groups for q in g["params"]}
         for p in params:
-            if not isinstance(p, torch.Tensor):
-                continue  # torch's TypeError
-            if p.dtype not in PARAM_DTYPES:  # complex lost its imaginary part, int64 was truncated, float64 rounded
+            if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:  # complex lost its imaginary part, int64 truncated, float64 rounded
                 raise ValueError(f"params: expected float32, bfloat16 or float16 parameters (the step works in float32; "
                                  f"torch.optim.AdamW takes float64), got {p.dtype} (a parameter of shape {tuple(p.shape)})")
-            if id(p) in seen:  # torch only warns within a group, and the step updated p twice
-                raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
-            seen.add(id(p))
+        check_params_once(params, self.param_groups)  # not a tensor: torch's TypeError
         super().add_param_group({**param_group, "params": params})
 
     def _wants_master(self, p: torch.Tensor) -> bool:
@@ -432,14 +452,10 @@ class AdamW(torch.optim.Optimizer):
             for key, value in _UNSUPPORTED_FLAGS.items():
                 if group.get(key, value) != value:
                     raise ValueError(f"state_dict: param group {n} has {key}={group[key]!r}, which this AdamW does not implement")
+        dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
+        check_state_shapes(self.param_groups, state_dict, {key: lambda p: p.shape for key in dtypes})
         saved_ids = [i for group in saved_groups for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
-        dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
-        for i, p in zip(saved_ids, params):  # a mismatch of group sizes: torch's ValueError below
-            for key, value in state_dict["state"].get(i, {}).items():
-                if key in dtypes and isinstance(value, torch.Tensor) and value.shape != p.shape:
-                    raise ValueError(f"state_dict: expected {key} of parameter {i} to have the parameter's shape "
-                                     f"{tuple(p.shape)}, got {tuple(value.shape)}")
         super().load_state_dict(state_dict)
         self._steps = {}  # read again from the loaded state["step"] at the next step
         for i, p in zip(saved_ids, params):

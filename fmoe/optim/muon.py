@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.ops.backend import local_tensor as _local
 from fmoe.ops.experts import EXPERT_BIASES
-from fmoe.optim.adamw import check_number
+from fmoe.optim.adamw import check_number, check_params_once, check_state_shapes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
@@ -182,11 +182,8 @@ class Muon(torch.optim.Optimizer):
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
-        seen = {id(q) for g in self.param_groups for q in g["params"]}
+        check_params_once(params, self.param_groups)
         for p in params:
-            if id(p) in seen:  # torch only warns within a group, and the step updated p twice
-                raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
-            seen.add(id(p))
             if not p.is_floating_point():  # a complex gradient's imaginary part was dropped, int64 failed at step
                 raise ValueError(f"params: expected floating-point parameters, got {p.dtype} (a parameter of shape {tuple(p.shape)})")
             if p.ndim < 2:
@@ -199,13 +196,7 @@ class Muon(torch.optim.Optimizer):
         """torch's loader, after checking each saved momentum_buffer against its parameter's
         shape: ValueError naming the parameter's index and both shapes (torch's loader took
         it, and the next step failed inside torch)."""
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(saved_ids, params):  # other group sizes: torch's ValueError
-            buf = state_dict["state"].get(i, {}).get("momentum_buffer")
-            if isinstance(buf, torch.Tensor) and buf.shape != _local(p).shape:
-                raise ValueError(f"state_dict: expected momentum_buffer of parameter {i} to have the parameter's shape "
-                                 f"{tuple(_local(p).shape)}, got {tuple(buf.shape)}")
+        check_state_shapes(self.param_groups, state_dict, {"momentum_buffer": lambda p: _local(p).shape})
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
