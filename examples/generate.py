@@ -256,7 +256,7 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
              seed: int = 0, eos: Union[int, Sequence[int], None] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
     prompt or ids that are not the model's, `tokens` not an int >= 0 or past the model's
-    learned positions (position_limit), a temperature not a finite number >= 0, or top_p
+    learned positions (abs_positions), a temperature not a finite number >= 0, or top_p
     outside (0, 1]."""
     return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos)[0]
 
@@ -297,7 +297,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
-    limit, longest = position_limit(model), max(map(len, prompts))
+    limit, longest = model.cfg.abs_positions, max(map(len, prompts))  # learned positions: a bound before any token is drawn
     if limit is not None and longest > limit:
         raise ValueError(f"prompt: expected at most {limit} tokens, the model's learned positions (abs_positions), got {longest}")
     if limit is not None and longest + tokens - 1 > limit:  # the last new token is drawn, never fed back: no position of its own
@@ -327,12 +327,6 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         if not active:
             break
     return out
-
-
-def position_limit(model: Transformer) -> Optional[int]:
-    """The most tokens a sequence of the model may hold: its learned absolute positions
-    (TransformerConfig.abs_positions), else None (no limit)."""
-    return model.cfg.abs_positions
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -426,13 +420,6 @@ def main(argv: list[str]) -> None:
     else:
         sys.exit("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run whose data's index "
                  "names no tokenizer that is here); give token ids")
-    limit, where = position_limit(model), "--prompt_ids" if args.prompt_ids else "--prompt"
-    if limit is not None and len(prompt) > limit:
-        sys.exit(f"{where}: a prompt of {len(prompt)} tokens, past the model's {limit} learned positions (abs_positions); "
-                 f"expected at most {limit} tokens")
-    if limit is not None and len(prompt) + args.tokens - 1 > limit:  # the last new token is never fed back
-        sys.exit(f"--tokens, {where}: a prompt of {len(prompt)} tokens and {args.tokens} new ones go past the model's {limit} learned "
-                 f"positions (abs_positions); expected --tokens <= {limit + 1 - len(prompt)}, or a shorter prompt")
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")

@@ -323,8 +323,8 @@ def test_learned_positions_bound_the_prompt_and_tokens(tmp_path):
     cli = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(tmp_path), "--prompt=abc", "--tokens=7"],
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode != 0 and cli.stdout == "" and "Traceback" not in cli.stderr, cli.stderr[-2000:]
-    assert ("--tokens, --prompt: a prompt of 3 tokens and 7 new ones go past the model's 8 learned positions (abs_positions); "
-            "expected --tokens <= 6, or a shorter prompt") in cli.stderr, cli.stderr[-2000:]
+    assert ("tokens: expected at most 6 new tokens after a prompt of 3 (the model's 8 learned positions, abs_positions), got 7"
+            in cli.stderr), cli.stderr[-2000:]
 
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
