@@ -115,6 +115,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from fmoe.optim.adamw import check_state_shapes
 from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, shape_scale
 from fmoe.ops.backend import local_tensor as _local
 
@@ -459,6 +460,9 @@ class DistributedMuon(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Completes the pending updates (so they cannot land on loaded values), then loads."""
+        """Completes the pending updates (so they cannot land on loaded values), then loads.
+        A momentum buffer of another shape than its parameter (global shape for DTensors) is
+        a ValueError naming the parameter's index, as in Muon."""
         self.wait()
+        check_state_shapes(self.param_groups, state_dict, {"momentum_buffer": lambda p: p.shape})
         super().load_state_dict(state_dict)

@@ -528,3 +528,16 @@ def test_hyperparameters_set_later_are_checked_at_step():
     with pytest.raises(ValueError, match="^lr: expected"):
         opt.step()
     assert torch.equal(w.detach(), torch.ones(3, 3)) and not opt.state
+
+
+def test_load_refuses_a_momentum_buffer_of_another_shape():
+    w = nn.Parameter(torch.ones(3, 4))
+    opt = DistributedMuon([w])
+    w.grad = torch.ones(3, 4)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["momentum_buffer"] = torch.zeros(4, 3)
+    fresh = DistributedMuon([nn.Parameter(torch.ones(3, 4))])
+    with pytest.raises(ValueError, match=r"^state_dict: expected momentum_buffer of parameter 0 to have the parameter's shape \(3, 4\), got \(4, 3\)"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state
