@@ -89,7 +89,7 @@ def _documents(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> to
     return sequence_ids(cu_seqlens.to(device), T)[None].expand(B, T)
 
 
-def _check(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
+def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
     """Shapes, dtypes and devices (no value is read); returns the scale. beta None: the
     linear attention without the delta rule (gated_linear_attention)."""
     check_float("q", q, 4, "[B, T, N, Dk]")
@@ -122,7 +122,7 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
 
 def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool):
     """gated_delta_rule_loop, or gated_linear_attention_loop with beta None."""
-    scale = _check(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     check_bools(final_state=final_state)
     B, T, N, Dk = q.shape
     Dv = v.shape[-1]
@@ -430,7 +430,7 @@ def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, init
 
 def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str):
     """gated_delta_rule (beta [B, T, N]) or gated_linear_attention (beta None: u = v, no solve)."""
-    scale = _check(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)
     B, T, N, Dk = q.shape

@@ -233,7 +233,7 @@ def _scan_backward(ctx, grads):
 _scan_kernel.register_autograd(_scan_backward, setup_context=_scan_setup_context)
 
 
-def _check(u, dt, A, b, c, cu_seqlens, initial_state) -> None:
+def check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state) -> None:
     check_float("u", u, 3, "[B, T, C]")
     check_float("A", A, 2, "[C, N]")
     B, T, C = u.shape
@@ -275,7 +275,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
 
     Example: y = selective_scan(x * dt, dt, -A_log.exp(), b, c, cu_seqlens) + D * x
     """
-    _check(u, dt, A, b, c, cu_seqlens, initial_state)
+    check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state)
     check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)  # the torch path's, checked on every path (CUDA's "auto" runs the kernel)
     B, T, C = u.shape
@@ -292,7 +292,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
 
 def selective_scan_loop(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False):
     """selective_scan token by token (gated_linear_attention_loop's form): its definition."""
-    _check(u, dt, A, b, c, cu_seqlens, initial_state)
+    check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state)
     check_bools(final_state=final_state)
     state = None if initial_state is None else initial_state.float()[..., None]
     out = gated_linear_attention_loop(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state)

@@ -102,9 +102,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fmoe.ops.checks import check_index, check_positive_int
-from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
+from fmoe.ops.delta import check_rule_inputs, gated_delta_rule, gated_linear_attention
 from fmoe.ops.routing import Routes
-from fmoe.ops.scan import selective_scan
+from fmoe.ops.scan import check_scan_inputs, selective_scan
 from fmoe.parallel.tensor import drop_by_capacity_over_ranks, gather_rows
 
 __all__ = ["ContextParallel", "ContextCapacityDrop", "conv_halo", "cp_kv_index", "cp_token_index", "gated_delta_rule_cp", "gather_kv", "split_batch"]
@@ -341,8 +341,7 @@ def _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, **kwargs) -> tor
     check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected this rank's [1, T/cp, N, Dk], got {getattr(q, 'shape', type(q).__name__)}")
-    if not isinstance(v, torch.Tensor) or v.ndim != 4:
-        raise ValueError(f"v: expected [1, T/cp, N, Dv], got {getattr(v, 'shape', type(v).__name__)}")
+    check_rule_inputs(q, k, v, g, beta, None, kwargs.get("scale"), None)  # this rank's shapes, as gated_delta_rule names them
     L = _halves("q", q.shape[1])
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     outs, ends = _rule_chunks(q, k, v, g, beta, cu_seqlens, cp, rank, **kwargs)
@@ -385,6 +384,7 @@ def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_
     check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
     if not isinstance(u, torch.Tensor) or u.ndim != 3 or u.shape[0] != 1:
         raise ValueError(f"u: expected this rank's [1, T/cp, C], got {getattr(u, 'shape', type(u).__name__)}")
+    check_scan_inputs(u, dt, A, b, c, None, None)  # this rank's shapes, as selective_scan names them
     L = _halves("u", u.shape[1])
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     cu = cu_seqlens.long()

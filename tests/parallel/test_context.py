@@ -446,6 +446,16 @@ def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
         gated_delta_rule_cp(*_rule_inputs(7, 2, 4, 5, "cpu", torch.float32, 0), torch.tensor([0, 7]), one_rank_mesh)
     with pytest.raises(ValueError, match="cp_mesh: expected a 1-D DeviceMesh"):
         gated_delta_rule_cp(*_rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0), torch.tensor([0, 8]), "cp")
+    q, k, v, g, beta = _rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0)
+    for name, bad in (("v", v[:, :6]), ("v", v.repeat(1, 1, 2, 1)), ("k", None), ("g", g[..., None])):  # named as gated_delta_rule names them
+        args = dict(q=q, k=k, v=v, g=g)
+        args[name] = bad
+        for fn, rule in ((gated_delta_rule_cp, (beta,)), (gated_linear_attention_cp, ())):
+            with pytest.raises(ValueError, match=f"^{name}: expected"):
+                fn(*args.values(), *rule, torch.tensor([0, 8]), one_rank_mesh)
+    u, dt, b, c, A = torch.randn(1, 8, 5), torch.rand(1, 8, 5), torch.randn(1, 8, 3), torch.randn(1, 8, 3), -torch.rand(5, 3)
+    with pytest.raises(ValueError, match=r"^dt: expected \[1, 8, 5\] \(of u's B, T, C and A's N\) on cpu, got \[1, 6, 5\]"):  # the shapes passed, not a chunk's
+        selective_scan_cp(u, dt[:, :6], A, b, c, torch.tensor([0, 8]), one_rank_mesh)
     from fmoe.parallel import conv_halo
 
     x = torch.arange(24.0).view(8, 3)
