@@ -338,6 +338,18 @@ def test_inplace_grad_refuses_logits_another_backward_needs(device):
     _raises("logits: inplace_grad needs unit column stride", cross_entropy, torch.randn(9, 4, device=device).T, _labels(4, 9, device), impl="triton", inplace_grad=True)
 
 
+def test_inplace_grad_takes_any_column_stride_where_none_is_read(device):
+    """No rows, or a single column (contiguous tensors whose strides came from a transpose):
+    as without inplace_grad."""
+    for x in (torch.empty_strided((0, 5), (1, 0), device=device), torch.randn(1, 4, device=device).T):  # strides (1, 0), (1, 4)
+        x.requires_grad_()
+        labels = torch.zeros(x.shape[0], dtype=torch.long, device=device)
+        assert x.is_contiguous() and x.stride(-1) != 1
+        value = cross_entropy(x, labels, impl="triton", inplace_grad=True)
+        value.backward()
+        assert value.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x))
+
+
 # ---------------------------------------------------------------------------- labels and bad inputs
 
 
