@@ -398,6 +398,16 @@ def main(argv: list[str]) -> None:
         mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:
         sys.exit(f"parallel knobs (--pp, --dp_replicate, --dp_shard, --cp, --tp, --ep, --etp) for {world} process(es): {err}")
+    try:  # the pipeline's knobs, checked whatever --pp is (the pipeline checks the split of its stages itself)
+        pp_layers = [int(n) for n in cfg.pp_layers.split(",")] if cfg.pp_layers else None
+    except ValueError:
+        sys.exit(f"--pp_layers: expected comma-separated layer counts like 3,2,2,1, got {cfg.pp_layers!r}")
+    try:
+        parallel.check_schedule(cfg.pp_schedule, cfg.pp_virtual)
+        if cfg.pp == 1 and pp_layers is not None:
+            parallel.stage_layers(cfg.model.n_layers, cfg.pp_virtual, pp_layers)
+    except ValueError as err:
+        sys.exit(f"pipeline knobs (--pp_schedule, --pp_virtual, --pp_layers) at --pp={cfg.pp}: {err}")
     meshes, rank, dp_rank, dp, cp_rank = None, 0, 0, 1, 0
     # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
     # keeps float32 master weights and sums gradients in float32; one process is a group of 1)
@@ -480,13 +490,9 @@ def main(argv: list[str]) -> None:
         parallel.materialize(model, device, seed=cfg.seed)  # the same weights as one process's
     else:  # pipeline: this rank's stages, each a pruned Transformer built on meta, sharded, materialised
         try:
-            layers = [int(n) for n in cfg.pp_layers.split(",")] if cfg.pp_layers else None
-        except ValueError:
-            sys.exit(f"--pp_layers: expected comma-separated layer counts like 3,2,2,1, got {cfg.pp_layers!r}")
-        try:
             pipe = parallel.Pipeline(
                 model_cfg, meshes, schedule=cfg.pp_schedule, virtual=cfg.pp_virtual, loss_fn=lambda *a: stage_loss(*a),
-                tokens=cfg.tokens_per_micro_batch // cfg.cp, device=device, dtype=dtype, layers_per_stage=layers, **precision,
+                tokens=cfg.tokens_per_micro_batch // cfg.cp, device=device, dtype=dtype, layers_per_stage=pp_layers, **precision,
                 parallelize=lambda m: parallel.parallelize(freeze(m), meshes, **precision),
                 materialize=lambda m: parallel.materialize(m, device, seed=cfg.seed))
             for n in {-(-b // dp) for _, b in parse_batch_schedule(cfg.batch_schedule)}:

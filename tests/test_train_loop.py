@@ -411,6 +411,11 @@ BAD_KNOBS = [
     (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),
     (["--steps=3", "--profile=5:6"], "--profile: steps 5:6 start past the run's last step (--steps=3)"),
     (["--steps=8", "--stop_at=2", "--profile=5:6"], "--profile: steps 5:6 start past the run's last step (--steps=8, --stop_at=2)"),
+    # the pipeline's knobs at --pp=1 (they ran without a word)
+    (["--pp_schedule=bogus"], "pipeline knobs (--pp_schedule, --pp_virtual, --pp_layers) at --pp=1: pp_schedule: expected one of gpipe"),
+    (["--pp_virtual=0"], "at --pp=1: pp_virtual: expected a positive int, got 0"),
+    (["--pp_layers=abc"], "--pp_layers: expected comma-separated layer counts like 3,2,2,1, got 'abc'"),
+    (["--pp_layers=9,9,9"], "at --pp=1: layers_per_stage: expected 1 positive ints (one per stage, pp x pp_virtual) summing to n_layers"),
 ]
 
 
