@@ -101,10 +101,10 @@ def stage_layers(n_layers: int, n_stages: int, layers_per_stage: Optional[Sequen
         base, extra = divmod(n_layers, n_stages)
         sizes = [base + (s < extra) for s in range(n_stages)]
     else:
-        sizes = list(layers_per_stage)
-        if len(sizes) != n_stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != n_layers:
+        sizes = list(layers_per_stage) if hasattr(layers_per_stage, "__iter__") else None
+        if sizes is None or len(sizes) != n_stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != n_layers:
             raise ValueError(f"layers_per_stage: expected {n_stages} positive ints (one per stage, pp x pp_virtual) "
-                             f"summing to n_layers = {n_layers}, got {sizes}")
+                             f"summing to n_layers = {n_layers}, got {layers_per_stage if sizes is None else sizes!r}")
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
@@ -127,8 +127,15 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     MTP modules on the last. Call it before fmoe.parallel.parallelize. Returns model."""
     if not isinstance(model, Transformer):
         raise ValueError(f"model: expected a fmoe.model.Transformer, got {type(model).__name__}")
+    if not isinstance(chunk, PipelineChunk):
+        raise ValueError(f"chunk: expected a fmoe.model.PipelineChunk, got {type(chunk).__name__}")
+    for name in ("stage", "n_stages"):
+        if isinstance(getattr(chunk, name), bool) or not isinstance(getattr(chunk, name), int):
+            raise ValueError(f"chunk: expected an int {name}, got {getattr(chunk, name)!r}")
+    if chunk.n_stages < 1 or not 0 <= chunk.stage < chunk.n_stages:
+        raise ValueError(f"chunk: expected stage in 0..n_stages - 1 and n_stages >= 1, got stage {chunk.stage} of {chunk.n_stages}")
     n = len(model.blocks)
-    if not chunk.layers or chunk.layers.start < 0 or chunk.layers.stop > n or chunk.layers.step != 1:
+    if not isinstance(chunk.layers, range) or not chunk.layers or chunk.layers.start < 0 or chunk.layers.stop > n or chunk.layers.step != 1:
         raise ValueError(f"chunk: expected a non-empty range of consecutive layers within range({n}), got {chunk.layers}")
     _check_stage(model.cfg, chunk.layers)
     for i in range(n):

@@ -266,6 +266,37 @@ def test_bad_splits_and_schedules_name_the_knob(call, message):
         call()
 
 
+def _chunk(*fields):
+    from fmoe.model import PipelineChunk
+
+    return PipelineChunk(*fields)
+
+
+@pytest.mark.parametrize("chunk, message", [
+    (_chunk(2, 2, range(0, 2)), r"chunk: expected stage in 0..n_stages - 1 and n_stages >= 1, got stage 2 of 2"),  # was a middle chunk
+    (_chunk(-1, 2, range(0, 2)), r"got stage -1 of 2"),
+    (_chunk(0, 0, range(0, 2)), r"got stage 0 of 0"),
+    (_chunk(0, 2.0, range(0, 2)), r"chunk: expected an int n_stages, got 2.0"),
+    (_chunk(0, 2, [0, 1]), r"chunk: expected a non-empty range of consecutive layers within range\(4\), got \[0, 1\]"),  # was an AttributeError
+    ((0, 2, range(0, 2)), r"chunk: expected a fmoe.model.PipelineChunk, got tuple"),
+])
+def test_pipeline_chunk_refuses_a_chunk_outside_the_pipeline(chunk, message):
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import pipeline_chunk
+
+    with torch.device("meta"):
+        model = Transformer(TransformerConfig(**TINY))
+    with pytest.raises(ValueError, match=message):
+        pipeline_chunk(model, chunk)
+
+
+def test_stage_layers_names_sizes_that_are_not_a_sequence():
+    from fmoe.parallel import stage_layers
+
+    with pytest.raises(ValueError, match=r"layers_per_stage: expected 2 positive ints .* got 2$"):
+        stage_layers(4, 2, 2)  # was "'int' object is not iterable"
+
+
 def test_attach_loss_is_the_identity_forward_and_adds_the_loss_gradient():
     from fmoe.parallel import attach_loss
 
