@@ -306,7 +306,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     place of H N D. The grouped output projection (cfg.o_groups g, o_rank r)
     counts N Dv r + g r H in place of N Dv H (either attention kind). A mixture of attention
     heads (cfg.moa_experts E) counts the k G = N heads a token computes, and its router's H E. Gemma 4's dense MLP beside each MoE (dense_beside_moe)
-    adds 6 x 3 H ffn_dense per MoE block (trunk and MTP).
+    adds 6 m H ffn_dense per MoE block (trunk and MTP), m its MLP's weight matrices (3 with a gate; 2 without, cfg.mlp_act in
+    fmoe.layers.PLAIN_ACTS: w_up, w_down).
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
     Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention
@@ -324,8 +325,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     The router counts its n_choices outputs (cfg.n_choices where the model has zero experts,
     else n_experts). k: the mean computing experts per token where it is not cfg.k (with
     zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads).
-    Shortcut pairs (cfg.shortcut_moe) add each trunk MoE block's dense SwiGLU of ffn_dense
-    beside its MoE: 6 x 3 H ffn_dense. Hyper-connections (cfg.hyper_connections = n streams)
+    Shortcut pairs (cfg.shortcut_moe) add each trunk MoE block's dense MLP of ffn_dense
+    beside its MoE: 6 m H ffn_dense. Hyper-connections (cfg.hyper_connections = n streams)
     add per trunk block, for its attention's and its MLP's HyperConnection, 6 (M n H + n H)
     (the weights' projection, M = 2 n + n^2 with hc_kind "manifold" else 2 n, and the
     streams' weighted sum) and 6 n^2 H for the manifold kind's mixing, and for the head's
@@ -394,7 +395,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, getattr(cfg, "global_k_eq_v", False) or no_wv),
                          v_dim=v_head_dim)  # None: each block's head dim
         local_kv, local_heads, local_dim = (getattr(cfg, n, None) for n in ("local_kv_heads", "local_heads", "local_head_dim"))
-        if local_kv is not None or local_heads is not None or local_dim is not None:
+        # the local blocks' own count: other heads or head dim, or their wv where the global blocks have none
+        if local_kv is not None or local_heads is not None or local_dim is not None or getattr(cfg, "global_k_eq_v", False):
             attention.update(local_attention_weights=gqa(local_kv or cfg.n_kv_heads, local_heads or cfg.n_heads, local_dim or cfg.head_dim, no_wv),
                              local_heads=local_heads, local_head_dim=local_dim)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
@@ -473,10 +475,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         compressed += len(cfg.csa_layers) * (6 * 2 * cfg.hidden * 2 * D + 6 * cfg.n_heads * 2 * D * n_avg_csa_chosen + csa_indexer)
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
-        shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
+        shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * mlp_matrices * cfg.hidden * cfg.ffn_dense
     if getattr(cfg, "dense_beside_moe", False):  # Gemma 4's dense MLP beside each MoE, trunk and MTP
         n_moe = sum(is_moe(i) for i in range(cfg.n_layers))
-        shortcut += (n_moe + (cfg.mtp_depth if n_moe else 0)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
+        shortcut += (n_moe + (cfg.mtp_depth if n_moe else 0)) * 6 * mlp_matrices * cfg.hidden * cfg.ffn_dense
     gated_norms = 0.0
     rank = getattr(cfg, "norm_gate_rank", None)
     if rank:  # the attention's pre-norm of every block, the MLP's of MoE blocks: 2 H r weights each
@@ -534,10 +536,11 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> O
     return tokens_per_s * flops_per_token / peak
 
 
-def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_experts: int = 0) -> dict:
+def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.Tensor], *, zero_experts: int = 0) -> dict:
     """Record entries for the MoE layers from their counts [L, E] (a tensor or a list of
-    [E] rows, each layer's tokens_per_expert summed as wanted) and the slots requested (T k; a
-    number or a 0-D tensor, e.g. token_mask.sum() * k, never read on the host):
+    [E] rows, E >= 1, each layer's tokens_per_expert summed as wanted) and the slots requested
+    (T k; a whole number >= 0, 32 or 32.0, or a 0-D tensor, e.g. token_mask.sum() * k, never
+    read on the host):
     tokens_per_expert [L, E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
     zero_experts: the last Z of the E columns count zero-computation experts' slots
     (fmoe.layers.MoEConfig.zero_experts): max/mean and CV are then the computing experts'
@@ -545,13 +548,15 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_exper
     The maths is fmoe.ops.load_stats'; tensors in, tensors out (no host sync: to_host turns
     them into numbers with the step's other values)."""
     counts_LE = torch.as_tensor(counts) if not isinstance(counts, torch.Tensor) else counts
-    if counts_LE.ndim != 2:
-        raise ValueError(f"counts: expected [L, E] counts (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
+    if counts_LE.ndim != 2 or counts_LE.shape[1] == 0:
+        raise ValueError(f"counts: expected [L, E] counts with E >= 1 (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
     if isinstance(slots, torch.Tensor):  # e.g. token_mask.sum() * k: read on the device, as load_stats reads it
         if slots.ndim != 0 or slots.dtype == torch.bool or slots.is_complex():
-            raise ValueError(f"slots: expected a number >= 0 or a 0-D real tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
-    else:
-        _check_count("slots", slots)
+            raise ValueError(f"slots: expected a whole number >= 0 or a 0-D real tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+    else:  # a count of slots: 32.0 is 32 (load_stats takes an int)
+        if isinstance(slots, bool) or not isinstance(slots, Real) or not (math.isfinite(slots) and slots >= 0 and slots == int(slots)):
+            raise ValueError(f"slots: expected a whole number >= 0 or a 0-D real tensor, got {slots!r}")
+        slots = int(slots)
     check_positive_int("zero_experts", zero_experts, 0, counts_LE.shape[1] - 1)  # fewer than counts' columns
     E = counts_LE.shape[1] - zero_experts
     load = load_stats(counts_LE[:, :E], slots)
@@ -585,10 +590,12 @@ def _plain(value):
 
 
 def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.1f}{unit}"
-    return f"{x:.1f}"
+    """x to one decimal in the smallest unit that keeps it under 1000 once rounded (999999 is 1.0M, not 1000.0k)."""
+    for unit, scale in (("", 1.0), ("k", 1e3), ("M", 1e6)):
+        text = f"{x / scale:.1f}"
+        if abs(float(text)) < 1000:
+            return text + unit
+    return f"{x / 1e9:.1f}G"
 
 
 def _duration(seconds: float) -> str:
@@ -698,8 +705,9 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log(self, step: int, record: dict) -> None:
-        """Write {"step": step, **record} as one line (and print the progress line)."""
-        _check_count("step", step)
+        """Write {"step": step, **record} as one line (and print the progress line). step: an
+        int >= 0 (read_metrics keeps the records with an int step)."""
+        check_positive_int("step", step, 0)
         if not isinstance(record, dict):
             raise ValueError(f"record: expected a dict, got {type(record).__name__}")
         if self.rank != 0:
@@ -763,8 +771,10 @@ def read_metrics(path) -> list[dict]:
 # host syncs
 # ----------------------------------------------------------------------------------------
 
-# every way Python code reads a tensor's values on the host
-_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+# the ways Python code reads a tensor's values on the host: torch.Tensor's methods, torch's functions (and .to, when it
+# copies to the host: _copies_to_host)
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero", "equal", "allclose")
+_TORCH_READS = ("is_nonzero", "equal", "allclose")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -776,6 +786,24 @@ def _caller() -> str:
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+def _copies_to_host(tensor: torch.Tensor, *args, **kwargs) -> bool:
+    """Whether tensor.to(*args, **kwargs) waits for a copy to the host, as HostReads counts it:
+    the CPU named by a string ("cpu", device="cpu") whatever tensor's device, as .cpu() is
+    counted (the same code's tensor is on the GPU there); the CPU as a torch.device or as
+    another tensor's device (to(other)) only when tensor is not on the CPU (x.to(y.device) is
+    the CPU on a CPU run, y's GPU on a GPU); never with non_blocking=True."""
+    target = kwargs.get("device", kwargs.get("tensor", args[0] if args else None))
+    other = isinstance(target, torch.Tensor)  # to(other, non_blocking, ...), else to(device, dtype, non_blocking, ...)
+    if isinstance(target, str):
+        host = torch.device(target).type == "cpu"
+    elif isinstance(target, torch.device) or other:
+        host = (target.device if other else target).type == "cpu" and tensor.device.type != "cpu"
+    else:  # a dtype alone, or an int: an accelerator's index
+        return False
+    at = 1 if other else 2  # non_blocking's place
+    return host and not kwargs.get("non_blocking", args[at] if len(args) > at else False)
+
+
 class HostReads:
     """Count the host reads of tensor values (device->host syncs) made while active.
 
@@ -784,14 +812,24 @@ class HostReads:
         reads.count, reads.sites      # 0, Counter() on the reference model's forward+backward
 
     On a GPU each `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `float(t)`, `int(t)`,
-    `bool(t)` (an `if` on a tensor) or `t.__index__()` of a device tensor stalls the host
-    until the device is done. HostReads wraps those methods of torch.Tensor, so it counts
-    them on any device, CPU included: the count of a CPU run is the number of stalls the
-    same code makes on a GPU. `sites` counts them by the file:line that asked (the first
-    frame outside torch). With cuda=True it also counts the synchronizing CUDA operations
-    that torch.cuda.set_sync_debug_mode("warn") reports (blocking copies, nonzero, ...),
-    in `cuda_syncs`. Not thread-safe, not reentrant; eager code only (torch.compile's
-    graphs do not call these methods).
+    `complex(t)`, `bool(t)` (an `if` on a tensor), `t.__index__()`, `t.is_nonzero()`,
+    `t.equal(u)`, `t.allclose(u)` (and torch.is_nonzero, torch.equal, torch.allclose) of a
+    device tensor stalls the host until the device is done, and so does a copy to the host
+    by `.to` without non_blocking=True. HostReads wraps those methods of torch.Tensor and
+    functions of torch, so it counts them on any device, CPU included: the count of a CPU
+    run is the number of these reads the same code makes on a GPU (a `.cpu()` or
+    `.to("cpu")` of a CPU tensor counts, as its tensor would be on the GPU there). A `.to`
+    whose CPU device is a torch.device or another tensor's (`t.to(u.device)`, `t.to(u)`)
+    counts only when t is not on the CPU: on a CPU run that is no copy, and on a GPU u is
+    most likely there too. Reads made through these count too (f"{t:.2f}" and `x in t`
+    call `.item()`, printing a tensor reads its elements). Not counted: other syncs
+    (torch.cuda.synchronize, a blocking `host.copy_(t)`, a non_blocking copy waited on
+    later, ops whose output size depends on values such as nonzero) and functions bound
+    before entry (`from torch import equal`). `sites` counts the reads by the file:line
+    that asked (the first frame outside torch). With cuda=True it also counts the
+    synchronizing CUDA operations that torch.cuda.set_sync_debug_mode("warn") reports
+    (blocking copies, nonzero, ...), in `cuda_syncs`. Not thread-safe, not reentrant; eager
+    code only (torch.compile's graphs do not call these methods).
     """
 
     def __init__(self, *, cuda: bool = False):
@@ -800,22 +838,26 @@ class HostReads:
         self.sites: collections.Counter = collections.Counter()
         self._saved: dict = {}
 
-    def _wrap(self, name: str):
-        original = getattr(torch.Tensor, name)
+    def _wrap(self, owner, name: str, reads: Optional[Callable[..., bool]] = None):
+        original = getattr(owner, name)
 
-        def read(tensor, *args, **kwargs):
-            self.count += 1
-            self.sites[_caller()] += 1
-            return original(tensor, *args, **kwargs)
+        def read(*args, **kwargs):
+            if reads is None or reads(*args, **kwargs):
+                self.count += 1
+                self.sites[_caller()] += 1
+            return original(*args, **kwargs)
 
-        return read
+        self._saved[owner, name] = owner.__dict__.get(name)  # None: inherited from the C base
+        setattr(owner, name, read)
 
     def __enter__(self) -> "HostReads":
         if self._saved:
             raise RuntimeError("HostReads: already active (not reentrant)")
         for name in _READS:
-            self._saved[name] = torch.Tensor.__dict__.get(name)  # None: inherited from the C base
-            setattr(torch.Tensor, name, self._wrap(name))
+            self._wrap(torch.Tensor, name)
+        for name in _TORCH_READS:
+            self._wrap(torch, name)
+        self._wrap(torch.Tensor, "to", _copies_to_host)
         if self.cuda:
             self._warnings = warnings.catch_warnings(record=True)
             self._caught = self._warnings.__enter__()
@@ -825,11 +867,11 @@ class HostReads:
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
+        for (owner, name), original in self._saved.items():
             if original is None:
-                delattr(torch.Tensor, name)
+                delattr(owner, name)
             else:
-                setattr(torch.Tensor, name, original)
+                setattr(owner, name, original)
         self._saved = {}
         if self.cuda:
             torch.cuda.set_sync_debug_mode(self._mode)
@@ -889,17 +931,19 @@ class AllocatedBytes:
 
     A TorchDispatchMode sees the result of every op (factories included; a DTensor's local
     shard is counted, not the DTensor wrapper); each new storage is counted once, from its
-    creation until it is freed (a weak reference to it). Storages that existed before (an
-    op's inputs, in-place results) are not counted. Meta tensors cost nothing. It counts
-    tensors, not the allocator's caching or the process's other memory: on CPU it is the
-    exact answer to "did this rank ever hold more than its shards". Slow (Python per op):
-    for measuring, not for training.
+    creation until it is freed (a weak reference to it), at its size when an op last saw it
+    (a `resize_` counts its new size, the old one freed; a storage resized without an op,
+    `untyped_storage().resize_`, at the next op that sees it). Storages that existed before
+    (an op's inputs, in-place results) are not counted, resized or not. Meta tensors cost
+    nothing. It counts tensors, not the allocator's caching or the process's other memory:
+    on CPU it is the exact answer to "did this rank ever hold more than its shards". Slow
+    (Python per op): for measuring, not for training.
     """
 
     def __init__(self):
         self.live = 0
         self.peak = 0
-        self._known: set[int] = set()
+        self._counted: dict[int, Optional[int]] = {}  # id of each storage seen -> its bytes counted (None: it existed before)
         self._mode = None
 
     def _storage(self, t):
@@ -916,18 +960,20 @@ class AllocatedBytes:
 
         for t in tensors:
             storage = self._storage(t)
-            if storage is None or storage.data_ptr() in self._known or not storage.nbytes():
+            if storage is None:
                 continue
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-            self._known.add(key)
-            if new:
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, nbytes if new else 0)
+            key = id(storage)  # one Python object per storage while it lives (its finalizer below drops the key)
+            if key not in self._counted:
+                self._counted[key] = 0 if new else None
+                weakref.finalize(storage, self._free, key)
+            counted = self._counted[key]
+            if counted is not None and counted != storage.nbytes():  # new, or resized in place since
+                self.live += storage.nbytes() - counted
+                self._counted[key] = storage.nbytes()
+        self.peak = max(self.peak, self.live)
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self._known.discard(key)
-        self.live -= nbytes
+    def _free(self, key: int) -> None:
+        self.live -= self._counted.pop(key) or 0
 
     def __enter__(self) -> "AllocatedBytes":
         from torch.utils._python_dispatch import TorchDispatchMode

@@ -149,12 +149,28 @@ def test_layer_loads_with_zero_experts():
     assert reads.count == 0, reads.sites
     assert M.to_host(on_device) == rec
     for bad in (torch.tensor([20]), torch.tensor(True)):
-        with pytest.raises(ValueError, match="slots: expected a number >= 0 or a 0-D real tensor"):
+        with pytest.raises(ValueError, match="slots: expected a whole number >= 0 or a 0-D real tensor"):
             M.layer_loads(torch.tensor([[6, 2]]), slots=bad)
     for bad, message in ((-1, "expected 0..1, got -1"), (2, "expected 0..1, got 2"), (1.0, "expected an int, got 1.0"),
                          (True, "expected an int, got True")):
         with pytest.raises(ValueError, match=f"zero_experts: {message}"):
             M.layer_loads(torch.tensor([[6, 2]]), slots=8, zero_experts=bad)
+
+
+def test_layer_loads_checks_its_own_arguments():
+    """slots is a number of slots: a whole float is that count, as an int or a 0-D tensor; a
+    fraction, a negative or a non-finite one is refused by its own name, as counts without
+    expert columns is (not load_stats' n_slots, nor zero_experts' empty range)."""
+    counts = torch.tensor([[10, 2, 6, 6]])
+    expected = M.to_host(M.layer_loads(counts, 32))
+    assert M.to_host(M.layer_loads(counts, 32.0)) == M.to_host(M.layer_loads(counts, torch.tensor(32.0))) == expected
+    assert M.to_host(M.layer_loads(torch.tensor([[6, 2, 4]]), 16.0, zero_experts=1))["zero_fraction"] == pytest.approx([4 / 16])
+    for bad in (32.5, -1, -1.0, float("inf"), float("nan"), True, "32", None):
+        with pytest.raises(ValueError, match=r"slots: expected a whole number >= 0 or a 0-D real tensor, got "):
+            M.layer_loads(counts, bad)
+    for empty in (torch.zeros(1, 0, dtype=torch.long), [[]]):
+        with pytest.raises(ValueError, match=r"counts: expected \[L, E\] counts with E >= 1 \(one row per MoE layer\), got shape \(1, 0\)"):
+            M.layer_loads(empty, 4)
 
 
 def test_to_host_one_transfer_per_device():
@@ -182,6 +198,45 @@ def test_host_reads_counts_every_way_of_reading_a_tensor():
     assert y.sum().item() == 16.0 and torch.Tensor.item.__qualname__ == "TensorBase.item"  # restored on exit
 
 
+def test_host_reads_counts_copies_to_the_host_and_comparisons_read_on_it():
+    """A .to the host named in the code counts as .cpu() does (whatever the tensor's device);
+    torch.equal, allclose, is_nonzero and complex() give the host a Python value."""
+    from fmoe.train.metrics import HostReads
+
+    x = torch.arange(4.0)
+    with HostReads() as reads:
+        x.to("cpu"), x.to(device="cpu"), x.to("cpu", torch.float64), x.to(device="cpu:0", dtype=torch.float64)
+        torch.equal(x, x), x.equal(x), torch.allclose(x, x), x.allclose(x), torch.is_nonzero(x[1]), x[1].is_nonzero(), complex(x[1])
+        # no reads: a dtype alone, another tensor or its device where x already is (on a GPU both most likely are), an
+        # asynchronous copy
+        x.to(torch.float64), x.to(dtype=torch.int64), x.to(x), x.to(x.device), x.to(torch.device("cpu"))
+        x.to("cpu", non_blocking=True), x.to(device="cpu", non_blocking=True), x.to("cpu", torch.float64, True)
+    assert reads.count == 11 and all(site.startswith(__file__) for site in reads.sites), reads.sites
+    assert torch.Tensor.to.__qualname__ == "TensorBase.to" and torch.equal.__name__ == "equal" and torch.equal is torch._C._VariableFunctions.equal
+    assert torch.Tensor.equal.__qualname__ == "TensorBase.equal"  # restored on exit
+
+
+@pytest.mark.gpu
+def test_host_reads_counts_each_blocking_copy_to_the_host_cuda_reports():
+    """On CUDA a .to the CPU (named, as a torch.device or another tensor's) and a comparison
+    read on the host count once each, as torch's sync debug mode sees them; an asynchronous
+    copy and a copy between devices count none."""
+    from fmoe.train.metrics import HostReads
+
+    x, host = torch.arange(4.0, device="cuda"), torch.zeros(4)
+    cases = {"to('cpu')": lambda: x.to("cpu"), "to(torch.device('cpu'))": lambda: x.to(torch.device("cpu")),
+             "to(host tensor)": lambda: x.to(host), "to(host.device)": lambda: x.to(host.device), "equal": lambda: torch.equal(x, x),
+             "allclose": lambda: x.allclose(x), "is_nonzero": lambda: x[1].is_nonzero(), "complex": lambda: complex(x[1])}
+    for name, read in cases.items():
+        with HostReads(cuda=True) as reads:
+            read()
+        assert reads.count == 1 and reads.cuda_syncs >= 1, (name, reads.count, reads.cuda_syncs)
+    with HostReads() as reads:
+        x.to("cpu", non_blocking=True), x.to(torch.float64), x.to(x), x.to(device="cuda")
+    torch.cuda.synchronize()
+    assert reads.count == 0, reads.sites
+
+
 def test_progress_line():
     line = M.format_progress(12, 100, {"loss": torch.tensor(3.21), "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.0})
     assert line == "[##..................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.5 tok/s 12.3k"
@@ -196,6 +251,14 @@ def test_progress_line():
     assert M.format_progress(1, 10, {"load_max_over_mean": [None, float("inf")]}) == "[##..................] step 1/10"
     with pytest.raises(ValueError, match="total_steps: expected a finite number >= 1, got 0"):
         M.format_progress(1, 0, {})
+
+
+def test_progress_line_picks_the_unit_of_the_rounded_value():
+    """A value that rounds up to 1000 of a unit is 1.0 of the next: 999.96 is 1.0k, not 1000.0."""
+    cases = {999.94: "999.9", 999.96: "1.0k", 12345.0: "12.3k", 999_949.0: "999.9k", 999_999.0: "1.0M", 999_999_999.0: "1.0G",
+             5e12: "5000.0G", 0.0: "0.0"}
+    for value, shown in cases.items():
+        assert M.format_progress(1, 2, {"tokens_per_s": value}) == f"[##########..........] step 1/2 tok/s {shown}", value
 
 
 def test_logger_jsonl_and_resume(tmp_path, capsys):
@@ -238,6 +301,18 @@ def test_logger_bad_inputs(tmp_path):
         log.log(1, {"x": object()})
     with pytest.raises(ValueError, match="step"):
         log.log(-1, {})
+
+
+def test_logger_refuses_a_step_read_metrics_would_leave_out(tmp_path):
+    """read_metrics keeps the records with an int step: log refuses any other step, so that no
+    written record is dropped on reading."""
+    log = M.MetricsLogger(tmp_path, total_steps=10, print_progress=False)
+    log.log(1, {"loss": 2.0})
+    for bad in (2.0, True, 2.5, "2", torch.tensor(2)):
+        with pytest.raises(ValueError, match=r"step: expected an int, got "):
+            log.log(bad, {"loss": 1.5})
+    log.log(2, {"loss": 1.5})
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
 def _synthetic_run(out_dir):
@@ -606,6 +681,12 @@ COUNTED = {
     "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
                    router_expert_scale=True, layer_scalars=True, attn_gate=True),
+    # ...without the local blocks' own heads: block 0 (a window, or chunks) keeps its wv, block 1 and the MTP block have none
+    "k_eq_v, window": dict(global_k_eq_v=True, window=4, window_layers=(0,)),
+    "k_eq_v, chunk": dict(global_k_eq_v=True, chunk=4, chunk_layers=(0,)),
+    # the dense MLP beside the MoE without a gate (2 matrices): a shortcut pair's, Gemma 4's (the MTP block's too)
+    "shortcut pair, relu2": dict(n_dense=0, shortcut_moe=True, mlp_act="relu2"),
+    "dense beside moe, relu2": dict(dense_beside_moe=True, post_norms=True, mlp_act="relu2"),
 }
 
 
@@ -785,6 +866,27 @@ def test_allocated_bytes_counts_live_and_peak_storages_once():
             torch.empty(10**9)           # meta: no memory
     assert (held, mem.live, mem.peak) == (6000, 4000, 6000)
     assert c.shape == (500,)
+
+
+def test_allocated_bytes_follows_a_storage_resized_in_place():
+    """resize_ reallocates a storage in place (the same storage, a new buffer): it counts at
+    its new size, the old buffer freed; shrinking and regrowing holds one buffer, not one each."""
+    from fmoe.train.metrics import AllocatedBytes
+
+    before = torch.zeros(10)  # existed before: not counted, resized or not
+    with AllocatedBytes() as mem:
+        x = torch.zeros(10)              # 40 bytes
+        x.resize_(1000)                  # 4000, the 40 freed
+        assert (mem.live, mem.peak) == (4000, 4000) == (x.untyped_storage().nbytes(),) * 2
+        for n in range(5):
+            x.resize_(0)
+            x.resize_(1001 + n)          # one buffer, grown to 4020 bytes
+        x.untyped_storage().resize_(400)  # no op sees it: counted at the next one that does
+        x.resize_(100)
+        before.resize_(2000)
+    assert (mem.live, mem.peak) == (400, 4020)
+    del x
+    assert mem.live == 0
 
 
 def test_plot_health_needs_its_signals(tmp_path):
