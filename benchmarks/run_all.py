@@ -4,10 +4,12 @@ print to a results file: the record a GPU session keeps in benchmarks/RESULTS.md
     .venv/bin/python benchmarks/run_all.py                          # CUDA: all, real shapes
     .venv/bin/python benchmarks/run_all.py --gpu-tests --only bench_routing,bench_rope
     .venv/bin/python benchmarks/run_all.py --smoke --results bench_out/RESULTS-smoke.md
+    .venv/bin/python benchmarks/run_all.py --only bench_train_step --extra=--fp8   # a flag of one benchmark
 
 Each benchmark (benchmarks/bench_*.py, or those named by --only) runs as its own process
-with the flags given here (--smoke, --out, --profile) under a wall-clock limit (--timeout seconds per
-benchmark), one after the other: a failure or a timeout is recorded and the next one runs.
+with the flags given here (--smoke, --out, --profile, and --extra's: every benchmark gets
+them all) under a wall-clock limit (--timeout seconds per benchmark), one after the other:
+a failure or a timeout is recorded and the next one runs.
 The results file gets one section per run: the date (UTC), the device (nvidia-smi's GPU
 name, or "cpu (smoke)"), the torch, triton and CUDA versions, the commit when this is a git
 checkout, the command line; then per benchmark its command, exit status, wall time and
@@ -119,7 +121,8 @@ def main(argv: list[str]) -> int:
                              "(default: bench_out in the repository root)")
     parser.add_argument("--profile", action="store_true", help="each benchmark's --profile: a torch.profiler trace and ops table of "
                                                               "every timed call, in OUT/profile/")
-    parser.add_argument("--extra", default="", help="more flags for each benchmark, one string (--extra=--fp8: bench_train_step's fp8 run)")
+    parser.add_argument("--extra", default="", help="more flags for every benchmark run, one string (a flag only one benchmark takes "
+                                                    "needs --only it: --only bench_train_step --extra=--fp8, its fp8 run)")
     args = parser.parse_args(argv)
     names = benchmarks()
     if args.only is not None and not args.only.strip(", "):

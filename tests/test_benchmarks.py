@@ -187,6 +187,15 @@ def test_run_all_refuses_bad_extra_flags_and_a_directory_to_append_to_before_wri
     assert not (tmp_path / "RESULTS.md").exists() and not list((tmp_path / "dir").iterdir())
 
 
+def test_run_all_help_says_extra_goes_to_every_benchmark():
+    """--extra's flags reach every benchmark run (a flag of one, bench_train_step's --fp8, fails
+    the others): the help says so, and shows it with --only."""
+    help_text = " ".join(subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--help"], capture_output=True, text=True,
+                                        check=True, timeout=60).stdout.split())
+    assert "--extra EXTRA more flags for every benchmark run, one string" in help_text, help_text
+    assert "--only bench_train_step --extra=--fp8" in help_text, help_text
+
+
 def test_run_all_takes_out_relative_to_the_callers_directory(tmp_path):
     """As --results: the benchmarks, which run in the repository root, get it as an absolute path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
