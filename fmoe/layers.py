@@ -187,10 +187,11 @@ class MoEConfig:
     or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's) or "silu_cap" (the limits cap silu(gate)
     rather than gate: Step 3.7's), or "relu2": experts without a gate
     (no w_gate, no shared_w_gate: relu(x w_up)^2 w_down, Nemotron 3's), the routed and the
-    shared experts' (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]),
-    and the latent norm's (params["latent_norm"]). logit_scale: the router's logits times this
-    constant before the cap and the routing (Muse Spark's output_multiplier); stats["router_logits"]
-    are the scaled ones. expert_out_norm_eps: the eps of params["expert_out_norm"].
+    shared experts' (fmoe.ops.grouped_mlp's act; not "xielu", a dense MLP's only). norm_eps:
+    the router's RMSNorm's eps (params["router_norm"]), and the latent norm's
+    (params["latent_norm"]). logit_scale: the router's logits times this constant before the
+    cap and the routing (Muse Spark's output_multiplier); stats["router_logits"] are the
+    scaled ones. expert_out_norm_eps: the eps of params["expert_out_norm"].
     """
 
     n_experts: int
@@ -231,16 +232,19 @@ class MoEConfig:
     def __post_init__(self):
         check_positive_int("n_experts", self.n_experts)
         check_positive_int("zero_experts", self.zero_experts, 0)
-        check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset, self.glu_act)
-        try:
-            check_glu(self.shared_swiglu_alpha, self.shared_swiglu_limit, self.shared_swiglu_offset, self.glu_act)
-        except ValueError as e:  # named as the shared experts' field
-            whats = {"limit": "clamp", "alpha": "gate's sigmoid gain", "offset": "up's offset"}
-            field = str(e).split(":")[0]
-            if field not in whats:  # a knob set where the activation has none: the first one set
-                knobs = (("limit", self.shared_swiglu_limit, None), ("alpha", self.shared_swiglu_alpha, 1.0), ("offset", self.shared_swiglu_offset, 0.0))
-                field = next((name for name, value, unset in knobs if value != unset), "limit")
-            raise ValueError(f"shared_swiglu_{field}: the shared experts' {whats[field]}, {e}") from None
+        for prefix, experts in (("swiglu_", "routed"), ("shared_swiglu_", "shared")):
+            alpha, limit, offset = (getattr(self, prefix + name) for name in ("alpha", "limit", "offset"))
+            try:
+                check_glu(alpha, limit, offset, self.glu_act)
+            except ValueError as e:  # named as this config's fields
+                whats = {"limit": "clamp", "alpha": "gate's sigmoid gain", "offset": "up's offset"}
+                field, _, rest = str(e).partition(":")
+                if field == "act":
+                    raise ValueError(f"glu_act:{rest}") from None
+                if field not in whats:  # a knob set where the activation has none: the first one set
+                    knobs = (("limit", limit, None), ("alpha", alpha, 1.0), ("offset", offset, 0.0))
+                    field = next((name for name, value, unset in knobs if value != unset), "limit")
+                raise ValueError(f"{prefix}{field}: the {experts} experts' {whats[field]}, {e}") from None
         for name in ("norm_eps", "expert_out_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -260,6 +264,9 @@ class MoEConfig:
             raise ValueError(f"capacity_factor: expected None or a positive finite number, got {self.capacity_factor!r}")
         if self.capacity_policy not in ("probs", "position"):
             raise ValueError(f"capacity_policy: expected 'probs' or 'position', got {self.capacity_policy!r}")
+        if self.capacity_policy != "probs" and self.capacity_factor is None:
+            raise ValueError(f"capacity_policy: the slots the capacity drop keeps, needs capacity_factor (got capacity_policy="
+                             f"{self.capacity_policy!r}, capacity_factor None)")
         for name in ("pre_softmax", "random_routing", "aux_scores", "check_nan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -284,6 +291,9 @@ class MoEConfig:
         elif self.n_choices < 2:  # sparsemixer_route refused it at moe()'s first call, naming its logits
             raise ValueError(f"n_experts: sparsemixer routing chooses 2 experts per token, expected n_experts + zero_experts >= 2, "
                              f"got {self.n_choices}")
+        # grouped_mlp's refusal, the last check: fmoe.model.TransformerConfig, whose xIELU MLPs are dense ones, takes the rest
+        if self.glu_act == "xielu":
+            raise ValueError("glu_act: experts with xIELU (its learned scalars) are not built; xIELU is a dense MLP's (fmoe.layers.dense_mlp)")
 
     @property
     def n_choices(self) -> int:
@@ -315,6 +325,14 @@ def check_sparsemixer_knobs(score: str, k: int, eps, **route_knobs) -> None:
         check_sparsemixer_eps(eps)
     except ValueError as e:
         raise ValueError(f"sparsemixer_{e}") from None
+
+
+def check_hash_routing(cfg: MoEConfig, table: str) -> None:
+    """ValueError naming the knob: hash routing (the experts a table's, `table` naming it)
+    takes none of cfg's sparsemixer score, pre_softmax and zero experts."""
+    for name, bad in (("cfg.score", cfg.score == "sparsemixer"), ("cfg.pre_softmax", cfg.pre_softmax), ("cfg.zero_experts", cfg.zero_experts)):
+        if bad:
+            raise ValueError(f"{name}: hash routing's experts are its table's ({table}), not with {name}")
 
 
 def expert_biases(params) -> dict:
@@ -500,8 +518,8 @@ def weigh_rows(x_perm: torch.Tensor, plan, weights_TK: torch.Tensor, cfg: MoECon
     weights' gradient flows through the product) and None for unpermute (an unweighted sum)."""
     if not cfg.weights_on_input:
         return x_perm, weights_TK
-    slot_R = plan.slot_of_row.long()
-    w_R = weights_TK.reshape(-1).index_select(0, slot_R.clamp(min=0)) * (slot_R >= 0)
+    # a padding row's slot -1 reads the 0 appended after the T k weights (on no tokens, the only one)
+    w_R = F.pad(weights_TK.reshape(-1), (0, 1))[plan.slot_of_row.long()]
     return (x_perm * w_R[:, None]).to(x_perm.dtype), None
 
 
@@ -561,10 +579,9 @@ def moe(
         if not isinstance(table, torch.Tensor) or table.ndim != 2 or table.shape[1] != k or table.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"params['hash_table']: expected an int tensor [V, {k}] (cfg.k experts per token id), got "
                              f"{getattr(table, 'dtype', type(table).__name__)} {list(getattr(table, 'shape', ()))}")
-        for name, bad in (("expert_bias", params.get("expert_bias") is not None), ("cfg.score", cfg.score == "sparsemixer"),
-                          ("cfg.pre_softmax", cfg.pre_softmax), ("cfg.zero_experts", cfg.zero_experts)):
-            if bad:
-                raise ValueError(f"{name}: hash routing's experts are its table's (params['hash_table']), not with {name}")
+        if params.get("expert_bias") is not None:
+            raise ValueError("expert_bias: hash routing's experts are its table's (params['hash_table']), not with expert_bias")
+        check_hash_routing(cfg, "params['hash_table']")
 
     r_TH = (x if route_x is None else route_x).float()
     if params.get("router_norm") is not None:  # Gemma 4's: rmsnorm(x) times a learned scale and 1 / sqrt(H)
@@ -1816,9 +1833,14 @@ def _rms_norm(x, weight, eps: float, ms=None, *, zero_centered: bool = False):
 
 def prescaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The gain first, then the norm: y / rms(y) for y = x (1 + weight), over the last dim in
-    float32, in x's dtype (Muse Spark's input-scaled RMSNorm; a zero row stays zero)."""
+    float32, in x's dtype (Muse Spark's input-scaled RMSNorm; a zero row stays zero, with eps
+    0 too, where its gradient is 0)."""
     y = x.float() * (weight.float() + 1.0)
-    return (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    ms = y.square().mean(-1, keepdim=True) + eps
+    # eps 0: a zero row's rsqrt(0) is inf and 0 * inf NaN, so its scale is 0; the inner where keeps
+    # rsqrt's gradient there finite (0 * inf would be NaN again). eps > 0: rsqrt(ms + eps) itself
+    positive = ms > 0
+    return (y * torch.where(positive, torch.rsqrt(torch.where(positive, ms, 1.0)), 0.0)).to(x.dtype)
 
 
 def out_shapes(H: int, cfg: AttentionConfig) -> dict:

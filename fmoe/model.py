@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
-                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, compress_shapes, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
+                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_hash_routing, check_sparsemixer_knobs, check_window, compress_shapes, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
                          moe, prescaled_rms_norm, q_in, qk_norm_shapes, softmax_scale)
 from fmoe.ops import linear_cross_entropy
 from fmoe.ops.checks import check_positive_int
@@ -363,7 +363,8 @@ class MoE(KeepsFloat32):
         hidden: H. ffn: F per routed expert. cfg: MoEConfig (n_experts, k, routing).
         shared_ffn: Fs of the shared experts (0: none; DeepSeek's n_shared experts of size F
             are one SwiGLU of Fs = n_shared * F). shared_gate: sigmoid gate on their output.
-        expert_bias: own an expert_bias buffer.
+        expert_bias: own an expert_bias buffer (needed by cfg.bias_on_logits, unless hashed:
+            hash_vocab; not with cfg.score "sparsemixer").
         latent: L > 0, a latent MoE (Nemotron 3 Super's): latent_in [H, L] and latent_out
             [L, H] around the routed experts, which work in L (their weights [E, L, F]); the
             router and the shared experts read x (fmoe.layers.moe's params of those names).
@@ -375,7 +376,8 @@ class MoE(KeepsFloat32):
             JetMoE's MoE bias).
         hash_vocab: V > 0, a hashed MoE: its tokens' experts are hash_table [V, k] (int64, a
             persistent buffer; random_hash_table at reset_parameters) at their ids, the router
-            weighing them (fmoe.layers.moe's params["hash_table"]); not with expert_bias.
+            weighing them (fmoe.layers.moe's params["hash_table"]); not with expert_bias, nor
+            with cfg's score "sparsemixer", pre_softmax or zero_experts.
     """
 
     _FLOAT32 = ("router", "router_bias", "expert_bias", "router_norm", "expert_scale")
@@ -416,6 +418,12 @@ class MoE(KeepsFloat32):
         check_positive_int("hash_vocab", hash_vocab, 0)
         if hash_vocab and expert_bias:
             raise ValueError("expert_bias: a hashed MoE's experts are its table's (hash_vocab), the bias would choose nothing; set expert_bias=False")
+        if hash_vocab:
+            check_hash_routing(cfg, "hash_vocab")
+        if cfg.score == "sparsemixer" and expert_bias:
+            raise ValueError("expert_bias: sparsemixer routing (cfg.score='sparsemixer') takes no expert bias; set expert_bias=False")
+        if cfg.bias_on_logits and not expert_bias and not hash_vocab:  # a hashed MoE's table chooses: no bias, nothing to move
+            raise ValueError("cfg.bias_on_logits: applies to score='sigmoid' with an expert_bias only, expected expert_bias=True, got False")
         if hash_vocab:  # hash routing: token id v's k experts (reset_parameters draws them)
             self.register_buffer("hash_table", torch.zeros(hash_vocab, cfg.k, device=device, dtype=torch.int64), persistent=True)
         self.sequence_parallel = None  # fmoe.parallel's SequenceShard under tp > 1 (class docstring)
@@ -1298,7 +1306,11 @@ class TransformerConfig:
         for name in ("swiglu_limit", "shared_swiglu_limit"):
             if getattr(self, name + "_layers") is not None and getattr(self, name) is None:
                 raise ValueError(f"{name}_layers: the blocks that {name} clamps, needs {name}")
-        self.moe_config(every_limit=True)  # its own checks (the SwiGLU options, impl, and route's knobs by route itself), named as these fields
+        try:
+            self.moe_config(every_limit=True)  # its own checks (the SwiGLU options, impl, and route's knobs by route itself), named as these fields
+        except ValueError as e:  # all but its last, the refusal of experts with xIELU: its MLPs are dense blocks' only (above)
+            if self.mlp_act != "xielu" or not str(e).startswith("mlp_act:"):
+                raise
         if self.score == "sparsemixer" and self.expert_bias:
             raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
 

@@ -243,6 +243,65 @@ def test_padding_takes_no_capacity(device):
     assert masked["tokens_per_expert"].tolist() == [2, 2, 2, 2]
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_tokens_give_an_empty_output_and_zero_gradients(impl, device):
+    """An empty micro-batch (T = 0): y [0, H] and zero gradients with padded rows (align) and
+    the weights on the input alike (weigh_rows indexed the T k = 0 weights for the padding
+    rows' slot -1); the module's x [0, H] and [2, 0, H] too."""
+    for align in (1, 16):
+        for on_input in (False, True):
+            cfg = MoEConfig(n_experts=4, k=2, align=align, weights_on_input=on_input, impl=impl)
+            params = _params(cfg, torch.float32, device, shared=True)
+            x = torch.zeros(0, H, device=device, requires_grad=True)
+            y, stats = moe(x, params, cfg)
+            assert y.shape == (0, H) and stats["tokens_per_expert"].sum() == 0
+            y.sum().backward()
+            assert x.grad.shape == (0, H)
+            for n, t in params.items():
+                assert not t.grad.any(), (align, on_input, n)
+    layer = MoE(H, FFN, cfg, shared_ffn=FS, shared_gate=True).to(device)
+    for shape in ((0, H), (2, 0, H)):
+        y, _ = layer(torch.zeros(shape, device=device))
+        assert y.shape == shape
+        y.sum().backward()
+        assert not layer.experts.w_up.grad.any()
+
+
+def test_expert_out_norm_eps_0_keeps_a_zero_row_zero(device):
+    """prescaled_rms_norm with eps 0 (expert_out_norm_eps accepts it): a zero row stays zero,
+    its gradient zero, not NaN (rsqrt(0) = inf); any other row, or any eps > 0, as
+    y rsqrt(mean(y^2) + eps) exactly, gradients too. The zero padding rows (align) of a MoE
+    with the expert output norm made the expert weights' gradients NaN."""
+    from fmoe.layers import prescaled_rms_norm
+
+    w = torch.randn(H, device=device)
+    x = torch.randn(3, H, device=device)
+    x[1] = 0.0
+    for eps in (0.0, 1e-6):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = prescaled_rms_norm(a, w, eps)
+        v = b * (w + 1.0)
+        want = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)
+        upstream = torch.randn_like(y)
+        (y * upstream).sum().backward()
+        (want * upstream).sum().backward()
+        if eps == 0.0:  # the zero row: 0 * inf in the formula
+            assert not y[1].any() and not a.grad[1].any()
+            assert torch.equal(y[[0, 2]], want[[0, 2]]) and torch.equal(a.grad[[0, 2]], b.grad[[0, 2]])
+        else:
+            assert torch.equal(y, want) and torch.equal(a.grad, b.grad)
+    cfg = MoEConfig(n_experts=4, k=2, align=16, expert_out_norm_eps=0.0, impl="torch")
+    params = _params(cfg, torch.float32, device)
+    params["expert_out_norm"] = (0.3 * torch.randn(H, device=device)).requires_grad_()
+    x = torch.randn(5, H, device=device, requires_grad=True)
+    y, _ = moe(x, params, cfg)
+    y_ref, _ = _loop_moe(x, params, cfg)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    for n, t in {"x": x, **params}.items():
+        assert t.grad.isfinite().all(), n
+
+
 def test_random_routing_keeps_the_router_in_the_graph(device):
     cfg = MoEConfig(n_experts=4, k=2, random_routing=True)
     params = _params(cfg, torch.float32, device)
@@ -537,7 +596,7 @@ def test_moe_capacity_drop_callable():
     _, stats = moe(x, params, cfg, drop=keep_first_expert)
     assert calls == [((T, 2), E, 1.0, "position")]
     assert stats["tokens_per_expert"][1:].sum() == 0 and stats["tokens_per_expert"][0] > 0
-    moe(x, params, dataclasses.replace(cfg, capacity_factor=None), drop=keep_first_expert)
+    moe(x, params, dataclasses.replace(cfg, capacity_factor=None, capacity_policy="probs"), drop=keep_first_expert)
     assert len(calls) == 1
 
 
@@ -560,6 +619,52 @@ def test_moe_config_refuses_at_construction_what_moe_would_refuse_at_its_first_c
         MoEConfig(n_experts=1, k=2, score="sparsemixer")
     assert MoEConfig(n_experts=1, k=2, zero_experts=1, score="sparsemixer").n_choices == 2
     assert MoEConfig(n_experts=8, k=10, zero_experts=2).n_choices == 10  # k counts the zero experts' choices too
+    with pytest.raises(ValueError, match=re.escape("glu_act: experts with xIELU (its learned scalars) are not built")):
+        MoEConfig(n_experts=4, k=2, glu_act="xielu")
+
+
+def test_module_refuses_at_construction_what_moe_would_refuse_at_its_first_call():
+    """The knobs of cfg that moe() refuses with the module's own arguments (its expert bias,
+    its hash table), refused when the module is made, not at its first forward."""
+    for cfg, kw, said in (
+            (MoEConfig(n_experts=4, k=2, score="sigmoid", bias_on_logits=True), {},
+             "cfg.bias_on_logits: applies to score='sigmoid' with an expert_bias only, expected expert_bias=True, got False"),
+            (MoEConfig(n_experts=4, k=2, zero_experts=2), dict(hash_vocab=10),
+             "cfg.zero_experts: hash routing's experts are its table's (hash_vocab), not with cfg.zero_experts"),
+            (MoEConfig(n_experts=4, k=2, score="sparsemixer"), dict(hash_vocab=10),
+             "cfg.score: hash routing's experts are its table's (hash_vocab), not with cfg.score"),
+            (MoEConfig(n_experts=4, k=2, pre_softmax=True), dict(hash_vocab=10),
+             "cfg.pre_softmax: hash routing's experts are its table's (hash_vocab), not with cfg.pre_softmax"),
+            (MoEConfig(n_experts=4, k=2, score="sparsemixer"), dict(expert_bias=True),
+             "expert_bias: sparsemixer routing (cfg.score='sparsemixer') takes no expert bias; set expert_bias=False")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            MoE(H, FFN, cfg, **kw)
+    # a hashed block of a model with the bias on the logits: its table chooses, it owns no bias (TransformerConfig.hash_layers)
+    hashed = MoE(H, FFN, MoEConfig(n_experts=4, k=2, score="sigmoid", bias_on_logits=True), hash_vocab=10)
+    y, _ = hashed(torch.randn(3, H), token_ids=torch.tensor([1, 2, 3]))
+    assert y.shape == (3, H)
+
+
+def test_moe_config_errors_name_its_own_fields():
+    """MoEConfig's SwiGLU checks name its fields (glu_act, swiglu_*), not the op's arguments
+    (act, limit), as the shared_swiglu_* ones did; a TransformerConfig's name its own
+    (mlp_act); capacity_policy without capacity_factor, which would do nothing, is refused
+    as sparsemixer_eps without sparsemixer is."""
+    for kw, said in ((dict(glu_act="tanh"), "glu_act: expected one of silu, gelu_tanh, silu_cap (the gate's activation)"),
+                     (dict(glu_act="relu2", swiglu_limit=7.0), "swiglu_limit: the routed experts' clamp, alpha / limit / offset: knobs of "
+                                                              "a gated MLP's activation, not of act 'relu2' (no gate), got 1.0 / 7.0 / 0.0"),
+                     (dict(glu_act="relu2", swiglu_offset=1.0), "swiglu_offset: the routed experts' up's offset, alpha / limit / offset"),
+                     (dict(swiglu_limit=-1.0), "swiglu_limit: the routed experts' clamp, limit: expected > 0 (the SwiGLU clamp) or None"),
+                     (dict(glu_act="gelu_tanh", swiglu_alpha=1.702), "swiglu_alpha: the routed experts' gate's sigmoid gain, alpha: the slope"),
+                     (dict(capacity_policy="position"), "capacity_policy: the slots the capacity drop keeps, needs capacity_factor "
+                                                        "(got capacity_policy='position', capacity_factor None)")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            MoEConfig(n_experts=4, k=2, **kw)
+    assert MoEConfig(n_experts=4, k=2, capacity_factor=1.0, capacity_policy="position").capacity_policy == "position"
+    for kw, said in ((dict(mlp_act="relu2", swiglu_limit=7.0), "swiglu_limit: the routed experts' clamp, alpha / limit / offset"),
+                     (dict(capacity_policy="position"), "capacity_policy: the slots the capacity drop keeps, needs capacity_factor")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            TransformerConfig(**kw)
 
 
 @pytest.mark.gpu

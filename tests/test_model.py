@@ -2185,6 +2185,12 @@ def test_xielu_mlps_learn_their_scalars_in_dense_blocks_only():
     assert mlp.xielu_alpha_p.grad.abs().sum() > 0 and mlp.xielu_alpha_n.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="mlp_act: 'xielu' .* in dense MLPs only"):
         dataclasses.replace(TINY, mlp_act="xielu")
+    # MoEConfig refuses xIELU experts; a model of dense blocks builds none, and its MoE knobs are checked all the same
+    for kw, said in ((dict(shared_swiglu_limit=1.0), "shared_swiglu_limit: the shared experts' clamp, alpha / limit / offset: knobs of a "
+                                                     "gated MLP's activation, not of act 'xielu'"),
+                     (dict(score="bogus"), "score: expected one of softmax")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            dataclasses.replace(VARIANTS["apertus"], **kw)
 
 
 def test_released_model_knobs_build_what_they_say():
