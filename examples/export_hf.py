@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -64,8 +65,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf_folder: str = "",
                   dtype: str = "") -> tuple[dict, list[str], Path | None]:
-    """(config.json for the export, notes on what it leaves out, the HF folder whose other
-    files go with it or None) of a run's model `cfg` and run config `run` (see the module
+    """(config.json for the export (fmoe.hf.save_pretrained sets its MTP count to the model's
+    depth), notes on what it leaves out, the HF folder whose other files go with it or None)
+    of a run's model `cfg` and run config `run` (see the module
     docstring). ValueError naming the knob: no --model_type for a model of fmoe's own, a
     folder that is gone, a model_type other than the folder's, a folder whose model is not
     the run's, a knob the family has no field for."""
@@ -75,7 +77,7 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     notes = []
     if cfg.capacity_factor is not None:
         notes.append(f"capacity_factor={cfg.capacity_factor}: a training-time drop, not exported")
-        cfg = dataclasses.replace(cfg, capacity_factor=None)
+        cfg = dataclasses.replace(cfg, capacity_factor=None, capacity_policy="probs")  # the policy: which slots that drop keeps
     if source:
         folder = Path(source)
         if not is_hf_folder(folder):
@@ -102,7 +104,6 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
         notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints hold none; not exported")
         cfg = dataclasses.replace(cfg, mtp_depth=0, mtp_norm=False)
     if source and hf is not None:
-        hf = dict(hf, num_nextn_predict_layers=cfg.mtp_depth) if family.mtp else hf
         mismatch = fmoe.hf.config_mismatch(cfg, hf)
         if mismatch:
             raise ValueError(f"--hf_config: {str(folder)!r} is not the run's model; {{field: (run, folder)}}: {mismatch} (a model_type that fits "
@@ -128,7 +129,7 @@ def copy_folder_files(source: Path, out: Path) -> list[str]:
 def main(argv: list[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory, or a checkpoint inside one")
-    parser.add_argument("out", type=Path, help="the Hugging Face folder to write")
+    parser.add_argument("out", help="the Hugging Face folder to write")
     parser.add_argument("--model_type", default="", help=f"for a model of fmoe's own: one of {', '.join(fmoe.hf.FAMILIES)}")
     parser.add_argument("--hf_config", default="", help="an HF folder whose config and tokenizer to use (default: the run's --init_from_hf)")
     parser.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="the weights' dtype")
@@ -138,15 +139,25 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sizes = {axis: getattr(args, axis) for axis in axes}
-    if args.max_shard_gb <= 0:
-        sys.exit(f"--max_shard_gb: expected a positive number, got {args.max_shard_gb}")
-    if args.out.exists() and not args.out.is_dir():
-        sys.exit(f"out: {str(args.out)!r} exists and is not a directory")
-    if is_hf_folder(args.path):
+    max_shard_bytes = int(args.max_shard_gb * 10**9) if math.isfinite(args.max_shard_gb) else 0
+    if max_shard_bytes < 1:
+        sys.exit(f"--max_shard_gb: expected a finite number of GB of at least 1e-9 (one byte), got {args.max_shard_gb}")
+    if not args.out:  # Path("") is the current directory
+        sys.exit("out: expected the folder to write, got ''")
+    out = Path(args.out)
+    existing = next(p for p in (out, *out.parents) if p.exists())  # out, or the folder it would be made in
+    if not existing.is_dir():
+        sys.exit(f"out: {str(out)!r} exists and is not a directory" if existing == out else
+                 f"out: {str(out)!r} is under {str(existing)!r}, which is not a directory")
+    try:
+        hf_folder = is_hf_folder(args.path)
+    except ValueError as err:  # a config.json that is not a JSON object
+        sys.exit(f"path: {err}")
+    if hf_folder:
         sys.exit(f"path: {str(args.path)!r} is already a Hugging Face folder")
     run_dir = args.path.parent if (args.path / ".metadata").is_file() else args.path  # a checkpoint: the run that holds it
-    if args.out.resolve() == run_dir.resolve() or run_dir.resolve() in args.out.resolve().parents:
-        sys.exit(f"out: {str(args.out)!r} is inside the run; write the export elsewhere")
+    if out.resolve() == run_dir.resolve() or run_dir.resolve() in out.resolve().parents:
+        sys.exit(f"out: {str(out)!r} is inside the run; write the export elsewhere")
     meshes, rank = None, 0
     try:
         if world == 1:
@@ -161,14 +172,16 @@ def main(argv: list[str]) -> None:
         hf, notes, source = export_config(model.cfg, run, model_type=args.model_type, hf_folder=args.hf_config, dtype=args.dtype)
     except ValueError as err:
         sys.exit(str(err))
+    if source is not None and out.resolve() == source.resolve():  # its weights and config replaced, then its files copied onto themselves
+        sys.exit(f"out: {str(out)!r} is the Hugging Face folder whose config and files the export takes; write the export elsewhere")
     model.hf_config = hf
     if source is not None and json.loads((source / "config.json").read_text()).get("model_type") == hf["model_type"]:
         fmoe.hf.keep_folder_layout(model, source, hf["model_type"])  # the folder's experts' layout, written back
-    fmoe.hf.save_pretrained(model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9))
+    fmoe.hf.save_pretrained(model, out, max_shard_bytes=max_shard_bytes)
     if rank == 0:
-        copied = copy_folder_files(source, args.out) if source is not None else []
-        files = sorted(f for f in args.out.iterdir() if f.is_file())
-        print(f"{args.out}: {hf['model_type']}, {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB "
+        copied = copy_folder_files(source, out) if source is not None else []
+        files = sorted(f for f in out.iterdir() if f.is_file())
+        print(f"{out}: {hf['model_type']}, {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB "
               f"(weights in {str(fmoe.hf.config_dtype(hf)).removeprefix('torch.')})")
         if copied:
             print(f"copied from {source}: {', '.join(copied)}")

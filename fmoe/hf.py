@@ -24,7 +24,9 @@ parameter, with the layout change: HF linear weights [out, in] are transposed to
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
 on export; the router stays float32). A model parameter outside the MTP modules that the
 key map does not name is refused on load, never left at its initial value; so is a
-checkpoint key that the config reads nowhere (unread_keys), unless strict=False.
+checkpoint key that the config reads nowhere (unread_keys), unless strict=False, but for
+what acts on nothing (transformers' 0-row shared MLP of a config without shared experts),
+which is kept and written back as stored.
 
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
@@ -42,10 +44,11 @@ with an expert_bias.
 MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers + d - 1
 (enorm, hnorm, eh_proj, a block, shared_head.norm, and copies of the embedding and the
 head, which fmoe shares). from_pretrained loads as many depths as the checkpoint holds (mtp_depth=
-overrides; depths it lacks start fresh); other families' MTP modules always start fresh
-and are not exported. An MTP module without its own output norm (mtp_norm=False: it uses
-the final norm) is exported with a copy of the final norm as its shared_head.norm, so the
-folder reads back (mtp_norm=True) as the same model. FP8: weights stored as float8 with `weight_scale_inv` block scales
+overrides; depths it lacks start fresh; save_pretrained counts the depths it writes in
+config.json's num_nextn_predict_layers where they are not the folder's); other families'
+MTP modules always start fresh and are not exported. An MTP module without its own output
+norm (mtp_norm=False: it uses the final norm) is exported with a copy of the final norm as
+its shared_head.norm, so the folder reads back (mtp_norm=True) as the same model. FP8: weights stored as float8 with `weight_scale_inv` block scales
 (quantization_config.weight_block_size; a stack of experts' matrices each on its own blocks; the scales float32, or
 DeepSeek-V4's powers of two, float8_e8m0fnu or biased uint8) are dequantised to float32 on load; so are DeepSeek-V4's FP4
 experts (quantization_config.expert_dtype "fp4": int8 weights holding two e2m1 codes a byte, the low nibble first, beside
@@ -5023,6 +5026,16 @@ def _holds_mtp(family: Family, cfg: TransformerConfig, d: int, files) -> bool:
     return mtp_layer(cfg, d, family) + "eh_proj.weight" in files
 
 
+def _mtp_count_field(model_type: str) -> Optional[str]:
+    """config.json's count of the MTP modules that a folder of model_type holds and fmoe
+    writes: num_nextn_predict_layers (DeepSeek-V3's layout; A.X-K1's configs have none),
+    mtp_num_hidden_layers (Qwen3-Next's module); None for the other families."""
+    family = FAMILIES[model_type]
+    if family.mtp and model_type not in _NO_MTP_COUNT:
+        return "num_nextn_predict_layers"
+    return "mtp_num_hidden_layers" if family.mtp_module else None
+
+
 def _stacked_experts(family: Family, keys) -> Family:
     """The family as a folder of checkpoint `keys` stores it: with Family.stacks_too and the
     experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
@@ -5248,9 +5261,43 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     Not counted: what comes with a read key (FP8's weight_scale_inv, MXFP4's _blocks and
     _scales), the MTP layers' copies of the embedding and head, MTP depths past
     cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed),
-    lm_head.weight where `path`'s config.json ties it to the embedding, and the keys under
-    family.not_read (what transformers does not read either). The experts' layout is the one
-    `stored` holds (_stacked_experts)."""
+    lm_head.weight where `path`'s config.json ties it to the embedding, the keys under
+    family.not_read (what transformers does not read either), and what the weight files in
+    `path` store that acts on nothing (_inert_tensors: transformers' 0-row shared experts of
+    a config without any). The experts' layout is the one `stored` holds (_stacked_experts)."""
+    unread = _not_read(family, cfg, path, stored)
+    inert = _inert_tensors(_weight_files(Path(path)), unread) if unread else {}
+    return [key for key in unread if key not in inert]
+
+
+def _inert_tensors(files: dict[str, Path], keys) -> dict[str, torch.Tensor]:
+    """HF key -> its stored value, for those of `keys` (keys fmoe reads nowhere) that act on
+    nothing: a tensor without elements (transformers builds and saves a shared MLP of 0 rows
+    where the config has no shared experts: GLM-4.5's n_shared_experts=0, Qwen2-MoE's
+    shared_expert_intermediate_size=0), and the sigmoid gate of such a shared expert (Qwen2-MoE's
+    shared_expert_gate, [1, H]), which scales its zeros. The files' headers are read, and the
+    values of these alone."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        if key in files:
+            by_file.setdefault(files[key], []).append(key)
+    shapes = {}
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            shapes.update((key, f.get_slice(key).get_shape()) for key in names)
+    empty = {key for key, shape in shapes.items() if 0 in shape}
+    out = {}
+    for key in shapes:
+        if key in empty or key.endswith(".shared_expert_gate.weight") and key.removesuffix("_gate.weight") + ".down_proj.weight" in empty:
+            with safe_open(files[key], "pt") as f:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _not_read(family: Family, cfg: TransformerConfig, path, stored) -> list[str]:
+    """unread_keys before what acts on nothing is left out (_inert_tensors)."""
     family = _stacked_experts(family, stored)
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
@@ -5278,35 +5325,43 @@ def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
     (Family.zero_expert_rows: a released LongCat-Flash folder does not, transformers' does);
     hf_dtypes, the dtype of each float tensor stored in another than config.json's (a bfloat16
     folder's router weights, which transformers keeps in float32, its A_log or sinks), which
-    the export writes them in whatever dtype the rest is written in.
+    the export writes them in whatever dtype the rest is written in, and the routing
+    correction bias's, whatever it is (float32 where the folder holds none: a fresh export's);
+    hf_inert, what the folder stores that acts on nothing (_inert_tensors: transformers' 0-row
+    shared experts of a config without any), written back as stored.
     load_weights records it (from the file list it reads anyway); examples/export_hf.py calls
     it for a run started from the folder.
     Returns the family as the folder stores it."""
-    return _folder_layout(model, _weight_files(Path(path)), model_type)
+    path = Path(path)
+    return _folder_layout(model, path, _weight_files(path), model_type)
 
 
-def _folder_layout(model: Transformer, files: dict[str, Path], model_type: str) -> Family:
-    """keep_folder_layout of a folder whose weight files (_weight_files) are already listed."""
+def _folder_layout(model: Transformer, path: Path, files: dict[str, Path], model_type: str) -> Family:
+    """keep_folder_layout of the folder `path` whose weight files (_weight_files) are already listed."""
     family = _stacks_by_shape(_stacked_experts(FAMILIES[model_type], files), model.cfg, files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused
     model.hf_dense = family.dense
     model.hf_hyper_head = family.hyper[2]
     model.hf_zero_rows = any(key in files for key in zero_expert_keys(family, model.cfg))
-    model.hf_dtypes = _stored_dtypes(files)
+    bias = [spec.keys[0] for name, spec in key_map(family, model.cfg).items() if name.endswith("expert_bias")]
+    model.hf_dtypes = _stored_dtypes(files, always=bias)
+    model.hf_inert = _inert_tensors(files, _not_read(family, model.cfg, path, files))
     return family
 
 
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
-def _stored_dtypes(files: dict[str, Path]) -> dict[str, torch.dtype]:
+def _stored_dtypes(files: dict[str, Path], always=()) -> dict[str, torch.dtype]:
     """HF key -> the dtype a safetensors file stores it in, for the plain float tensors stored
-    in another dtype than the folder's config.json names (config_dtype; the files' headers
-    alone are read; quantized tensors, written back dequantised, are left out)."""
+    in another dtype than the folder's config.json names (config_dtype), and for the keys in
+    `always` in whatever dtype (the files' headers alone are read; quantized tensors, written
+    back dequantised, are left out)."""
     from safetensors import safe_open
 
     config = next(iter(files.values())).parent / "config.json" if files else None
     folder = config_dtype(_config_dict(config)) if config is not None and config.is_file() else None
+    always = set(always)
 
     by_file: dict[Path, list[str]] = {}
     for key, file in files.items():
@@ -5316,7 +5371,7 @@ def _stored_dtypes(files: dict[str, Path]) -> dict[str, torch.dtype]:
         with safe_open(file, "pt") as f:
             for key in keys:
                 dtype = _FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
-                if dtype is not None and dtype != folder:
+                if dtype is not None and (dtype != folder or key in always):
                     out[key] = dtype
     return out
 
@@ -5344,7 +5399,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
         raise ValueError(f"strict: expected a bool, got {strict!r}")
     path = Path(path)
     files = _weight_files(path)
-    family = _folder_layout(model, files, model_type)
+    family = _folder_layout(model, path, files, model_type)
     folder_config = _config_dict(path / "config.json") if (path / "config.json").is_file() else {}  # read once, for both uses below
     folded = _folded(family, folder_config if family.folds is not None else {})  # its multipliers
     params = _tensors(model)
@@ -5717,18 +5772,22 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised. strict: a checkpoint
     key the options leave unread (e.g. n_shared=0 on a model with shared experts) is a
     ValueError; strict=False drops it (load_weights). Returns (model, cfg);
-    model.hf_config keeps config.json for save_pretrained."""
+    model.hf_config keeps config.json for save_pretrained, model.hf_mtp_depth the MTP depths
+    the folder holds."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict: expected a bool, got {strict!r}")
     hf, cfg = read_config(path)
     family = FAMILIES[hf["model_type"]]
-    if (family.mtp or family.mtp_module) and "mtp_depth" not in options:
+    held = 0  # the MTP depths the folder holds
+    if family.mtp or family.mtp_module:
         files = _weight_files(Path(path))
-        options["mtp_depth"] = next(d for d in range(cfg.n_layers + 1) if not _holds_mtp(family, cfg, d + 1, files))
-        if family.mtp_module and options["mtp_depth"]:  # its own output norm, mtp.norm
-            options.setdefault("mtp_norm", True)
+        held = next(d for d in range(cfg.n_layers + 1) if not _holds_mtp(family, cfg, d + 1, files))
+        if "mtp_depth" not in options:
+            options["mtp_depth"] = held
+            if family.mtp_module and held:  # its own output norm, mtp.norm
+                options.setdefault("mtp_norm", True)
     if options:
         try:
             cfg = dataclasses.replace(cfg, **options)
@@ -5741,6 +5800,7 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     model.reset_parameters(seed=0)  # everything the checkpoint does not hold (expert biases, MTP)
     load_weights(model, path, model_type=hf["model_type"], strict=strict)
     model.hf_config = hf
+    model.hf_mtp_depth = held  # save_pretrained keeps config.json's MTP count while the model has these depths
     return model, cfg
 
 
@@ -5910,6 +5970,8 @@ def _ministral3_rope(cfg: TransformerConfig) -> dict:
 # the families whose config.json holds _deepseek_moe_config's fields
 _DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32", "axk1",
                    "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "axk2")
+# ...of which these have no first_k_dense_replace (mlp_layer_types says it) nor MTP count (_mtp_count_field)
+_NO_MTP_COUNT = ("axk1", "hy_v4", "hy_v4_vl_text", "axk2")
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -6423,7 +6485,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4", "hy_v4_vl_text", "axk2"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("axk1", "hy_v4", "hy_v4_vl_text", "axk2"):  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
+    if model_type in _NO_MTP_COUNT:  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
         hf.pop("first_k_dense_replace")
         hf.pop("num_nextn_predict_layers")
     if model_type == "axk2":  # the gated norms; no groups (refused on read), written as A.X-K2-Light's None
@@ -6535,14 +6597,15 @@ _ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "q
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
     field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
-    not change the weights' meaning: impl, ac, fp8 and its knobs, init_std, the capacity, how the dense and MoE
+    not change the weights' meaning: impl, ac, fp8 and its knobs, init_std, the capacity, the losses' weights
+    (index_loss_coeff, moa_aux_coeff), how the dense and MoE
     layers and the shared experts' size (n_shared or shared_ffn) are spelled, and the MTP depth and mtp_norm of a family that stores MTP layers:
     save_pretrained writes MTP modules that use the final norm with a copy of it as their
     own); {} when `cfg` is that model."""
     family = FAMILIES[hf["model_type"]]
     back = TransformerConfig(**family.kwargs(hf))
     ignored = {"impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "init_std", "ffn_dense", "n_dense", "n_shared", "shared_ffn", "moe_layers",
-               "capacity_factor", "capacity_policy", "moa_aux_coeff"}
+               "capacity_factor", "capacity_policy", "index_loss_coeff", "moa_aux_coeff"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if cfg.llama3_factor is None:
@@ -6677,10 +6740,11 @@ def constant_tensors(family: Family, cfg: TransformerConfig, hf: dict) -> dict[s
 
 
 def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list, hf: Optional[dict] = None,
-                        dtypes: Optional[dict] = None):
+                        dtypes: Optional[dict] = None, inert: Optional[dict] = None):
     """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
-    one parameter at a time, then the zero experts' unused rows as zeros (zero_expert_keys) and
-    the config's constant tables (constant_tensors; hf: the config.json written). A
+    one parameter at a time, then the zero experts' unused rows as zeros (zero_expert_keys),
+    the config's constant tables (constant_tensors; hf: the config.json written) and `inert`'s
+    (HF key -> stored value: a loaded folder's model.hf_inert). A
     DTensor is gathered (full_tensor) whatever `keep` says: every rank must walk this in
     step; a rank with keep=False yields nothing, and neither does one once `failed` holds an
     error (a conversion that raises is appended to it: the walk goes on, gathering, so that
@@ -6711,17 +6775,19 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
             yield key, torch.zeros(shape, dtype=(dtypes or {}).get(key, dtype))
         for key, value in constant_tensors(family, model.cfg, hf or {}).items():
             yield key, value.to((dtypes or {}).get(key, dtype))
+        yield from (inert or {}).items()
 
 
 def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype,
                dtypes: Optional[dict] = None) -> list[tuple[str, torch.Tensor]]:
     """The (HF key, tensor) pairs that one gathered parameter completes (_checkpoint_tensors);
-    dtypes: HF key -> its dtype where it is not `dtype` (a loaded folder's, model.hf_dtypes)."""
+    dtypes: HF key -> its dtype where it is not `dtype` (a loaded folder's, model.hf_dtypes:
+    its correction biases' whatever it is)."""
     dtypes = dtypes or {}
     # the MTP layers' copies of the embedding, the head (and the final norm), each in its own
     # storage: safetensors refuses shared tensors
     out = [(key, full.to(dtypes.get(key, dtype)).clone()) for key in copies]
-    if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32), or as the folder stored it
+    if name.endswith("expert_bias"):  # as the folder stored it, else float32 (HF keeps the correction bias float32)
         return [*out, (spec.keys[0], _with_units(spec, full).to(dtypes.get(spec.keys[0], torch.float32)).contiguous())]
     dtype = dtypes.get(spec.keys[0], dtype)
     if not full.is_floating_point():  # a hashed block's table of expert ids (DeepSeek-V4's tid2eid): int64, as stored
@@ -6757,7 +6823,10 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     from_pretrained, else hf_config(cfg, model_type)) and the weights in the checkpoint's
     layout (module docstring): model.safetensors, or shards of at most max_shard_bytes
     (model-00001-of-0000N.safetensors, ..., with model.safetensors.index.json) when they do
-    not fit one. Earlier weight files in `path` are replaced.
+    not fit one. Earlier weight files in `path` are replaced. A loaded config's count of MTP
+    modules (num_nextn_predict_layers; Qwen3-Next's mtp_num_hidden_layers) is set to the
+    model's MTP depth, unless the model has the depths its folder held (model.hf_mtp_depth):
+    then it stays as loaded (transformers writes DeepSeek-V3's default 1 beside no MTP layer).
 
     Streamed: one parameter at a time is gathered (a DTensor's full_tensor: call on every
     rank, in step) and converted; rank 0 keeps only the shard being filled and writes it,
@@ -6787,7 +6856,11 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
                              "its own (e.g. deepseek_v32 for DeepSeek sparse attention added to a DeepSeek-V3 model)")
     _check_writable(hf["model_type"])
     family = FAMILIES[hf["model_type"]]
-    if hf is getattr(model, "hf_config", None):  # written back as the folder stored it (keep_folder_layout)
+    loaded = hf is getattr(model, "hf_config", None)
+    if loaded:  # written back as the folder stored it (keep_folder_layout)
+        count = _mtp_count_field(hf["model_type"])
+        if count is not None and model.cfg.mtp_depth != getattr(model, "hf_mtp_depth", None):  # MTP depths the folder did not hold
+            hf = dict(hf, **{count: model.cfg.mtp_depth})
         if getattr(model, "hf_stacks", False):  # the experts as stacks
             family = _stacked_experts(family, (".experts.gate_up_proj",))
         if getattr(model, "hf_dense", None):  # the dense MLP's name
@@ -6796,7 +6869,8 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
             family = dataclasses.replace(family, hyper=(*family.hyper[:2], model.hf_hyper_head))
         if not getattr(model, "hf_zero_rows", True):  # no zero-expert rows (transformers needs them: written where the folder had them)
             family = dataclasses.replace(family, zero_expert_rows=False)
-    if _quantization(hf):  # written dequantised, in the checkpoint's dtype
+    quantized = _quantization(hf)
+    if quantized:  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
         if isinstance(hf.get("text_config"), dict):
             hf["text_config"] = {k: v for k, v in hf["text_config"].items() if k != "quantization_config"}
@@ -6812,9 +6886,11 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         except Exception as err:
             failed.append(err)
     try:
-        # a loaded folder written back: the tensors it stored in another dtype than the rest, in that one (model.hf_dtypes)
-        dtypes = getattr(model, "hf_dtypes", None) if hf is getattr(model, "hf_config", None) else None
-        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, hf=hf, dtypes=dtypes):
+        # a loaded folder written back: the tensors it stored in another dtype than the rest, in that one (model.hf_dtypes),
+        # and what acts on nothing, as stored (model.hf_inert)
+        dtypes = getattr(model, "hf_dtypes", None) if loaded and not quantized else None
+        inert = getattr(model, "hf_inert", None) if loaded else None
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, hf=hf, dtypes=dtypes, inert=inert):
             try:
                 writer.add(key, value)
             except Exception as err:

@@ -8,6 +8,7 @@ import dataclasses
 import filecmp
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -161,6 +162,8 @@ def test_a_run_from_an_hf_folder_keeps_its_config_and_tokenizer(hf_run, tmp_path
 
 def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
     folder, run = hf_run
+    shard = "--max_shard_gb: expected a finite number of GB of at least 1e-9 (one byte), got "
+    source = "is the Hugging Face folder whose config and files the export takes; write the export elsewhere"
     cases = [
         ((own_run, tmp_path / "a"), "--model_type: needed for a model of fmoe's own, one of mixtral"),
         ((own_run, tmp_path / "a", "--model_type=bert"), "--model_type: expected one of"),
@@ -173,17 +176,31 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
         ((checkpoint.latest(own_run), own_run / "step_000001"), "is inside the run; write the export elsewhere"),
         ((folder, tmp_path / "a"), "is already a Hugging Face folder"),
         ((own_run, tmp_path / "file", "--model_type=glm4_moe"), f"out: '{tmp_path / 'file'}' exists and is not a directory"),
-        ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=0"), "--max_shard_gb: expected a positive number, got 0.0"),
+        ((own_run, tmp_path / "file" / "a", "--model_type=glm4_moe"), f"out: '{tmp_path / 'file' / 'a'}' is under '{tmp_path / 'file'}', which is not"),
+        ((own_run, "", "--model_type=glm4_moe"), "out: expected the folder to write, got ''"),  # not the current directory
+        ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=0"), shard + "0.0"),
+        ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=nan"), shard + "nan"),
+        ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=inf"), shard + "inf"),
+        ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=1e-12"), shard + "1e-12"),  # 0 bytes
         ((tmp_path / "norun", tmp_path / "a", "--model_type=glm4_moe"), "path: '" + str(tmp_path / "norun") + "' is neither an fmoe run"),
+        ((tmp_path / "badjson", tmp_path / "a"), f"path: config.json: '{tmp_path / 'badjson' / 'config.json'}' is not valid JSON"),
+        # the folder the export takes its config and files from, as its out: overwritten, then copied onto itself
+        ((run, folder), f"out: '{folder}' {source}"),
+        ((run, tmp_path / "copy", f"--hf_config={tmp_path / 'copy'}"), f"out: '{tmp_path / 'copy'}' {source}"),
     ]
     (tmp_path / "norun").mkdir()
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text("{not json")
     (tmp_path / "file").write_text("not a folder")
+    shutil.copytree(folder, tmp_path / "copy")
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
     for args, message in cases:
         with pytest.raises(SystemExit) as stop:
             export_hf.main(list(map(str, args)))
         assert message in str(stop.value.code), (args, stop.value.code)
         assert not str(stop.value.code).startswith("path: path:"), stop.value.code  # named once
     assert not (tmp_path / "a").exists()
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
 
 
 def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
@@ -194,6 +211,8 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
     assert source is None and config["num_nextn_predict_layers"] == 1
     assert notes == ["capacity_factor=1.25: a training-time drop, not exported"]
     assert config == hf.hf_config(dataclasses.replace(cfg, capacity_factor=None, mtp_norm=True), "glm4_moe")
+    position = dataclasses.replace(cfg, capacity_policy="position")  # the drop's other policy goes with it (it needs a factor)
+    assert export_hf.export_config(position, run, model_type="glm4_moe")[:2] == (config, notes)
     gone = dict(run, config=dict(run["config"], init_from_hf=str(tmp_path / "gone")))
     with pytest.raises(ValueError, match=r"the run's --init_from_hf \('.*gone'\): not a Hugging Face folder .*; pass --hf_config=FOLDER"):
         export_hf.export_config(model.cfg, gone)

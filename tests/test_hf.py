@@ -1587,6 +1587,20 @@ def test_glm5_shared_indexer_layers_read_as_transformers_derives_them(fields):
         hf.FAMILIES["glm_moe_dsa"].kwargs(dict(config, indexer_types=["shared", "full", "full", "full"]))
 
 
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_the_indexer_loss_weight_is_a_training_knob_the_export_ignores(family, tmp_path):
+    """index_loss_coeff weighs the indexers' loss in training, as init_std and the capacity
+    are knobs of how a model trains (the loop applies them on top of a folder): a model loaded
+    with another writes its folder back bit-identical, and a config of its own as well."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch", index_loss_coeff=0.1)
+    assert hf.config_mismatch(cfg, model.hf_config) == {}
+    hf.save_pretrained(model, tmp_path / "again")
+    assert all(filecmp.cmp(tmp_path / "hf" / f, tmp_path / "again" / f, shallow=False) for f in ("config.json", "model.safetensors"))
+    assert hf.hf_config(cfg, family) == hf.hf_config(dataclasses.replace(cfg, index_loss_coeff=1.0), family)
+
+
 def test_a_released_llama4_folder_loads_its_text_model(folders, tmp_path):
     """A llama4 folder (Llama4ForConditionalGeneration, as released): the text model under
     language_model. loads with transformers' logits (a text-only forward), the vision
@@ -2957,6 +2971,33 @@ def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(f
     assert hf.unread_keys(hf.FAMILIES["mixtral"], cfg, mixtral, tensors) == []
 
 
+@pytest.mark.parametrize("family, no_shared", [("glm4_moe", "n_shared_experts"), ("qwen2_moe", "shared_expert_intermediate_size")])
+def test_a_shared_mlp_of_no_rows_loads_strictly_and_is_written_back(family, no_shared, tmp_path):
+    """transformers builds and saves a shared MLP of 0 rows where the config has no shared
+    experts (GLM-4.5's n_shared_experts=0, Qwen2-MoE's shared_expert_intermediate_size=0;
+    Qwen2-MoE's sigmoid gate [1, H] on its zeros too): it acts on nothing, so a strict load
+    does not refuse it as unread; it is written back as stored (bit-identical files), and
+    transformers reads the export whole with the folder's logits."""
+    config = FAMILIES[family]()
+    setattr(config, no_shared, 0)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    ref.save_pretrained(tmp_path / "hf")
+    assert any(t.numel() == 0 for k, t in _read_all(tmp_path / "hf").items() if ".shared_expert" in k)  # what the test is about
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert cfg.shared_size == 0
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), want) < 1e-5
+    hf.save_pretrained(model, tmp_path / "again")
+    assert all(filecmp.cmp(tmp_path / "hf" / f, tmp_path / "again" / f, shallow=False) for f in ("config.json", "model.safetensors"))
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert _rel(_their_logits(back.eval(), docs), want) < 1e-5
+
+
 def _loop_from_folder(config, tmp_path, *knobs):
     """A random model of `config` (or that transformers model) saved by transformers, the loop
     run 2 steps from it (64-token micro-batches of the stdlib corpus, one per step) with these
@@ -3268,6 +3309,42 @@ def test_mtp_layers_load_into_mtp_modules_and_export_back(family, folders, tmp_p
     assert hf.from_pretrained(path)[1].mtp_depth == 0
     fresh, _ = hf.from_pretrained(path, mtp_depth=1)
     assert torch.isfinite(fresh.mtp[0].proj).all() and not torch.equal(fresh.mtp[0].proj, m.proj)
+
+
+def test_config_json_counts_the_mtp_depths_written(tmp_path):
+    """A loaded config's count of MTP modules (num_nextn_predict_layers; Qwen3-Next's
+    mtp_num_hidden_layers) is written as the depths save_pretrained writes, where the model
+    has other depths than its folder held (mtp_depth=0 or 2 of a folder of 1; 1 of a folder
+    whose config has no count: transformers' GLM-4.7-Flash and Qwen3-Next configs). With the
+    folder's own depths from_pretrained's model keeps the count as loaded: transformers'
+    DeepSeek-V3 folder says 1 beside no MTP layer, and is written back bit-identical; a run's
+    model with the folder's config (examples/export_hf.py) is counted."""
+    n = FAMILIES["deepseek_v3"]().num_hidden_layers
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["deepseek_v3"]()).save_pretrained(tmp_path / "tf")
+    assert json.loads((tmp_path / "tf" / "config.json").read_text())["num_nextn_predict_layers"] == 1  # transformers' default
+    hf.save_pretrained(hf.from_pretrained(tmp_path / "tf", impl="torch")[0], tmp_path / "as_loaded")
+    assert filecmp.cmp(tmp_path / "tf" / "config.json", tmp_path / "as_loaded" / "config.json", shallow=False)
+    run = hf.from_pretrained(tmp_path / "tf", impl="torch")[0]  # a run's model with the folder's config (examples/export_hf.py)
+    del run.hf_mtp_depth
+    hf.keep_folder_layout(run, tmp_path / "tf", "deepseek_v3")
+    assert json.loads((hf.save_pretrained(run, tmp_path / "run") / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    hf.save_pretrained(hf.from_pretrained(tmp_path / "tf", impl="torch", mtp_depth=1)[0], tmp_path / "released")  # a fresh MTP layer
+    for depth in (0, 1, 2):
+        model, _ = hf.from_pretrained(tmp_path / "released", impl="torch", mtp_depth=depth)
+        out = hf.save_pretrained(model, tmp_path / f"depth{depth}")
+        layers = {int(key.split(".")[2]) for key in _read_all(out) if key.startswith("model.layers.")}
+        assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == depth and max(layers) == n - 1 + depth
+        assert hf.from_pretrained(out, impl="torch")[1].mtp_depth == depth
+    assert all(filecmp.cmp(tmp_path / "released" / f, tmp_path / "depth1" / f, shallow=False) for f in ("config.json", "model.safetensors"))
+    for family, count in (("glm4_moe_lite", "num_nextn_predict_layers"), ("qwen3_next", "mtp_num_hidden_layers")):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).save_pretrained(tmp_path / family)
+        assert count not in json.loads((tmp_path / family / "config.json").read_text())
+        one = hf.save_pretrained(hf.from_pretrained(tmp_path / family, impl="torch", mtp_depth=1)[0], tmp_path / f"{family}-1")
+        assert json.loads((one / "config.json").read_text())[count] == 1 and hf.from_pretrained(one, impl="torch")[1].mtp_depth == 1
+        none = hf.save_pretrained(hf.from_pretrained(one, impl="torch", mtp_depth=0)[0], tmp_path / f"{family}-0")
+        assert json.loads((none / "config.json").read_text())[count] == 0 and hf.from_pretrained(none, impl="torch")[1].mtp_depth == 0
 
 
 def test_an_mtp_module_on_the_final_norm_exports_with_a_copy_of_it(folders, tmp_path):
@@ -5394,6 +5471,34 @@ def test_a_bfloat16_folder_is_written_back_with_the_dtypes_it_stored(tmp_path):
     transformers.AutoModelForCausalLM.from_config(FAMILIES["minimax"](), dtype=torch.bfloat16).save_pretrained(tmp_path / "minimax")
     assert any(v.dtype == torch.bfloat16 for k, v in load_file(tmp_path / "minimax" / "model.safetensors").items() if k.endswith("slope_rate"))
     hf.from_pretrained(tmp_path / "minimax", impl="torch")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_folder_cast_to_bfloat16_writes_its_correction_bias_back_as_stored(family, tmp_path):
+    """A folder of a model cast whole to bfloat16 (model.to(torch.bfloat16).save_pretrained:
+    the routing correction bias bfloat16 too, where transformers' own bfloat16 load keeps it
+    float32), loaded as bfloat16 or float32 and saved again, gives bit-identical files (the
+    bias was written float32); a model of fmoe's own writes it float32."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()))
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    stored = load_file(tmp_path / "bf16" / "model.safetensors")
+    biases = [k for k in stored if k.endswith("e_score_correction_bias")]
+    assert biases and {stored[k].dtype for k in biases} == {torch.bfloat16}  # what the test is about
+    for dtype in (torch.bfloat16, torch.float32):
+        model, _ = hf.from_pretrained(tmp_path / "bf16", impl="torch", dtype=dtype)
+        hf.save_pretrained(model, tmp_path / f"again-{dtype}")
+        for file in ("model.safetensors", "config.json"):
+            assert filecmp.cmp(tmp_path / "bf16" / file, tmp_path / f"again-{dtype}" / file, shallow=False), (dtype, file)
+    del model.hf_config
+    hf.save_pretrained(model, tmp_path / "fresh", model_type=family)
+    assert {load_file(tmp_path / "fresh" / "model.safetensors")[k].dtype for k in biases} == {torch.float32}
 
 
 def test_bamba_reads_and_writes_its_partial_rotary_factor(tmp_path):
