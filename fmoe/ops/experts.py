@@ -455,7 +455,7 @@ def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit:
 
 @_swiglu_fwd.register_fake
 def _(gate, up, alpha=1.0, limit=None, offset=0.0, act="silu"):
-    return torch.empty_like(gate)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)  # as the op's, of gate.contiguous(): row-major whatever gate's strides
 
 
 @torch.library.custom_op("fmoe::swiglu_bwd", mutates_args=())
@@ -472,7 +472,7 @@ def _swiglu_bwd(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alph
 
 @_swiglu_bwd.register_fake
 def _(grad_h, gate, up, alpha=1.0, limit=None, offset=0.0, act="silu"):
-    return torch.empty_like(gate), torch.empty_like(up)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
 
 
 def _swiglu_setup_context(ctx, inputs, output):
@@ -599,8 +599,8 @@ def _grouped_gemm_bwd(
 
 
 @_grouped_gemm_bwd.register_fake
-def _(grad_y, x, w, offsets, torch_gmm, fp8=0):
-    return torch.empty_like(x), torch.empty_like(w)
+def _(grad_y, x, w, offsets, torch_gmm, fp8=0):  # row-major, as the op's of x.contiguous() and w.contiguous() (a transposed w's too)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w, memory_format=torch.contiguous_format)
 
 
 def _grouped_gemm_setup_context(ctx, inputs, output):

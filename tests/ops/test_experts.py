@@ -680,6 +680,12 @@ def test_custom_ops_pass_opcheck(device):
             torch.library.opcheck(torch.ops.fmoe.grouped_gemm_fwd.default, (xd, wd, offsets, torch_gmm))
             grad_y = torch.randn(x.shape[0], 16, device=device, dtype=dtype)
             torch.library.opcheck(torch.ops.fmoe.grouped_gemm_bwd.default, (grad_y, xd.detach(), wd.detach(), offsets, torch_gmm))
+            # column-major views (a transposed weight): the fake's outputs are row-major, as the op's (torch.compile checks strides)
+            x_cm, w_cm = xd.detach().t().contiguous().t(), wd.detach().transpose(1, 2).contiguous().transpose(1, 2)
+            torch.library.opcheck(torch.ops.fmoe.grouped_gemm_bwd.default, (grad_y, x_cm, w_cm, offsets, torch_gmm), test_utils="test_faketensor")
+    gate_cm, up_cm = (torch.randn(33, 7, device=device).t() for _ in range(2))  # [7, 33] views in column-major order
+    torch.library.opcheck(torch.ops.fmoe.swiglu_fwd.default, (gate_cm, up_cm), test_utils="test_faketensor")
+    torch.library.opcheck(torch.ops.fmoe.swiglu_bwd.default, (torch.randn(7, 33, device=device), gate_cm, up_cm), test_utils="test_faketensor")
 
 
 def test_compiles_without_graph_breaks(device):
