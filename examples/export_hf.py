@@ -100,7 +100,9 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     elif not model_type:
         raise ValueError(f"--model_type: needed for a model of fmoe's own, one of {', '.join(fmoe.hf.FAMILIES)}")
     family = fmoe.hf.FAMILIES[model_type]
-    if cfg.mtp_depth and not family.mtp:
+    if family.mtp_module and cfg.mtp_depth > 1:  # Qwen3-Next's one module (mtp.): depth 1 is written, a second has no keys
+        raise ValueError(f"--model_type: {model_type} checkpoints hold one MTP module, the run's model has mtp_depth = {cfg.mtp_depth}")
+    if cfg.mtp_depth and not (family.mtp or family.mtp_module):
         notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints hold none; not exported")
         cfg = dataclasses.replace(cfg, mtp_depth=0, mtp_norm=False)
     if source and hf is not None:

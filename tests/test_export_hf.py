@@ -218,6 +218,22 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
         export_hf.export_config(model.cfg, gone)
 
 
+def test_qwen3_next_s_one_mtp_module_is_exported_and_a_second_depth_named(tmp_path):
+    """Qwen3-Next's checkpoints hold one MTP module (mtp.): a run's depth 1 is written (no note
+    that it is left out), depth 2 is a ValueError naming the knob (save_pretrained's key map
+    raised it, a traceback)."""
+    transformers.Qwen3NextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 intermediate_size=40, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                 shared_expert_intermediate_size=24, layer_types=["linear_attention", "full_attention"],
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                                 bos_token_id=None, eos_token_id=None, pad_token_id=None).save_pretrained(tmp_path)
+    _, cfg = hf.read_config(tmp_path)
+    config, notes, source = export_hf.export_config(dataclasses.replace(cfg, mtp_depth=1, mtp_norm=True), {}, model_type="qwen3_next")
+    assert notes == [] and source is None and config["mtp_num_hidden_layers"] == 1
+    with pytest.raises(ValueError, match=r"^--model_type: qwen3_next checkpoints hold one MTP module, the run's model has mtp_depth = 2$"):
+        export_hf.export_config(dataclasses.replace(cfg, mtp_depth=2, mtp_norm=True), {}, model_type="qwen3_next")
+
+
 def test_a_released_llama4_folder_exports_its_text_model(tmp_path):
     """A run from a llama4 folder (Llama4ForConditionalGeneration: a vision model beside the
     text model) exports as llama4_text with the folder's text config, saying so; transformers
