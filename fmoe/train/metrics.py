@@ -787,21 +787,19 @@ def _caller() -> str:
 
 
 def _copies_to_host(tensor: torch.Tensor, *args, **kwargs) -> bool:
-    """Whether tensor.to(*args, **kwargs) waits for a copy to the host, as HostReads counts it:
-    the CPU named by a string ("cpu", device="cpu") whatever tensor's device, as .cpu() is
-    counted (the same code's tensor is on the GPU there); the CPU as a torch.device or as
-    another tensor's device (to(other)) only when tensor is not on the CPU (x.to(y.device) is
-    the CPU on a CPU run, y's GPU on a GPU); never with non_blocking=True."""
+    """Whether tensor.to(*args, **kwargs) waits for a copy from a device to the host, as
+    HostReads counts it: tensor not on the CPU, the CPU as the target (a string, a
+    torch.device, or another tensor's device: to(other)), without non_blocking=True. (A .to
+    of a CPU tensor is no read: its device may be a variable that names the GPU there.)"""
     target = kwargs.get("device", kwargs.get("tensor", args[0] if args else None))
     other = isinstance(target, torch.Tensor)  # to(other, non_blocking, ...), else to(device, dtype, non_blocking, ...)
-    if isinstance(target, str):
-        host = torch.device(target).type == "cpu"
-    elif isinstance(target, torch.device) or other:
-        host = (target.device if other else target).type == "cpu" and tensor.device.type != "cpu"
-    else:  # a dtype alone, or an int: an accelerator's index
+    if other:
+        target = target.device
+    elif not isinstance(target, (str, torch.device)):  # a dtype alone, or an int: an accelerator's index
         return False
     at = 1 if other else 2  # non_blocking's place
-    return host and not kwargs.get("non_blocking", args[at] if len(args) > at else False)
+    return (tensor.device.type != "cpu" and torch.device(target).type == "cpu"
+            and not kwargs.get("non_blocking", args[at] if len(args) > at else False))
 
 
 class HostReads:
@@ -817,11 +815,10 @@ class HostReads:
     device tensor stalls the host until the device is done, and so does a copy to the host
     by `.to` without non_blocking=True. HostReads wraps those methods of torch.Tensor and
     functions of torch, so it counts them on any device, CPU included: the count of a CPU
-    run is the number of these reads the same code makes on a GPU (a `.cpu()` or
-    `.to("cpu")` of a CPU tensor counts, as its tensor would be on the GPU there). A `.to`
-    whose CPU device is a torch.device or another tensor's (`t.to(u.device)`, `t.to(u)`)
-    counts only when t is not on the CPU: on a CPU run that is no copy, and on a GPU u is
-    most likely there too. Reads made through these count too (f"{t:.2f}" and `x in t`
+    run is the number of these reads the same code makes on a GPU (a `.cpu()` of a CPU
+    tensor counts, as its tensor would be on the GPU there), but for `.to`, counted only
+    from a device tensor to the CPU: its target is often a variable (`t.to(device)`) that
+    names the CPU on a CPU run and the GPU on a GPU, so a CPU run cannot tell. Reads made through these count too (f"{t:.2f}" and `x in t`
     call `.item()`, printing a tensor reads its elements). Not counted: other syncs
     (torch.cuda.synchronize, a blocking `host.copy_(t)`, a non_blocking copy waited on
     later, ops whose output size depends on values such as nonzero) and functions bound
