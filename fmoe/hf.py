@@ -5328,7 +5328,9 @@ def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
     the export writes them in whatever dtype the rest is written in, and the routing
     correction bias's, whatever it is (float32 where the folder holds none: a fresh export's);
     hf_inert, what the folder stores that acts on nothing (_inert_tensors: transformers' 0-row
-    shared experts of a config without any), written back as stored.
+    shared experts of a config without any), written back as stored; hf_mtp_depth, the MTP
+    depths the folder holds (save_pretrained keeps config.json's MTP count while the model has
+    as many).
     load_weights records it (from the file list it reads anyway); examples/export_hf.py calls
     it for a run started from the folder.
     Returns the family as the folder stores it."""
@@ -5346,7 +5348,15 @@ def _folder_layout(model: Transformer, path: Path, files: dict[str, Path], model
     bias = [spec.keys[0] for name, spec in key_map(family, model.cfg).items() if name.endswith("expert_bias")]
     model.hf_dtypes = _stored_dtypes(files, always=bias)
     model.hf_inert = _inert_tensors(files, _not_read(family, model.cfg, path, files))
+    model.hf_mtp_depth = _held_mtp_depth(FAMILIES[model_type], model.cfg, files)
     return family
+
+
+def _held_mtp_depth(family: Family, cfg: TransformerConfig, files) -> int:
+    """The MTP depths the weight files hold (0 for a family that stores none)."""
+    if not (family.mtp or family.mtp_module):
+        return 0
+    return next(d for d in range(cfg.n_layers + 1) if not _holds_mtp(family, cfg, d + 1, files))
 
 
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -5780,14 +5790,10 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
         raise ValueError(f"strict: expected a bool, got {strict!r}")
     hf, cfg = read_config(path)
     family = FAMILIES[hf["model_type"]]
-    held = 0  # the MTP depths the folder holds
-    if family.mtp or family.mtp_module:
-        files = _weight_files(Path(path))
-        held = next(d for d in range(cfg.n_layers + 1) if not _holds_mtp(family, cfg, d + 1, files))
-        if "mtp_depth" not in options:
-            options["mtp_depth"] = held
-            if family.mtp_module and held:  # its own output norm, mtp.norm
-                options.setdefault("mtp_norm", True)
+    if (family.mtp or family.mtp_module) and "mtp_depth" not in options:
+        options["mtp_depth"] = _held_mtp_depth(family, cfg, _weight_files(Path(path)))
+        if family.mtp_module and options["mtp_depth"]:  # its own output norm, mtp.norm
+            options.setdefault("mtp_norm", True)
     if options:
         try:
             cfg = dataclasses.replace(cfg, **options)
@@ -5800,7 +5806,6 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     model.reset_parameters(seed=0)  # everything the checkpoint does not hold (expert biases, MTP)
     load_weights(model, path, model_type=hf["model_type"], strict=strict)
     model.hf_config = hf
-    model.hf_mtp_depth = held  # save_pretrained keeps config.json's MTP count while the model has these depths
     return model, cfg
 
 

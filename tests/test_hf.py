@@ -3317,19 +3317,25 @@ def test_config_json_counts_the_mtp_depths_written(tmp_path):
     has other depths than its folder held (mtp_depth=0 or 2 of a folder of 1; 1 of a folder
     whose config has no count: transformers' GLM-4.7-Flash and Qwen3-Next configs). With the
     folder's own depths from_pretrained's model keeps the count as loaded: transformers'
-    DeepSeek-V3 folder says 1 beside no MTP layer, and is written back bit-identical; a run's
-    model with the folder's config (examples/export_hf.py) is counted."""
+    DeepSeek-V3 folder says 1 beside no MTP layer, and is written back bit-identical; so does a
+    model whose weights load_weights read from it, or that keep_folder_layout gave its layout (a
+    run's, examples/export_hf.py); with other depths than that folder's they are counted."""
     n = FAMILIES["deepseek_v3"]().num_hidden_layers
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(FAMILIES["deepseek_v3"]()).save_pretrained(tmp_path / "tf")
     assert json.loads((tmp_path / "tf" / "config.json").read_text())["num_nextn_predict_layers"] == 1  # transformers' default
     hf.save_pretrained(hf.from_pretrained(tmp_path / "tf", impl="torch")[0], tmp_path / "as_loaded")
     assert filecmp.cmp(tmp_path / "tf" / "config.json", tmp_path / "as_loaded" / "config.json", shallow=False)
-    run = hf.from_pretrained(tmp_path / "tf", impl="torch")[0]  # a run's model with the folder's config (examples/export_hf.py)
-    del run.hf_mtp_depth
-    hf.keep_folder_layout(run, tmp_path / "tf", "deepseek_v3")
-    assert json.loads((hf.save_pretrained(run, tmp_path / "run") / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    config, cfg = hf.read_config(tmp_path / "tf")
+    read = Transformer(dataclasses.replace(cfg, mtp_depth=0, impl="torch"))  # the weights read by load_weights (a sharded load's way)
+    hf.load_weights(read, tmp_path / "tf", model_type="deepseek_v3")
+    read.hf_config = config
+    assert filecmp.cmp(tmp_path / "tf" / "config.json", hf.save_pretrained(read, tmp_path / "read") / "config.json", shallow=False)
     hf.save_pretrained(hf.from_pretrained(tmp_path / "tf", impl="torch", mtp_depth=1)[0], tmp_path / "released")  # a fresh MTP layer
+    run = Transformer(dataclasses.replace(cfg, mtp_depth=0, impl="torch"))  # a run's model of no MTP depth from a folder of one
+    run.hf_config = json.loads((tmp_path / "released" / "config.json").read_text())
+    hf.keep_folder_layout(run, tmp_path / "released", "deepseek_v3")
+    assert json.loads((hf.save_pretrained(run, tmp_path / "run") / "config.json").read_text())["num_nextn_predict_layers"] == 0
     for depth in (0, 1, 2):
         model, _ = hf.from_pretrained(tmp_path / "released", impl="torch", mtp_depth=depth)
         out = hf.save_pretrained(model, tmp_path / f"depth{depth}")
