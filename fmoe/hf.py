@@ -5497,7 +5497,8 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             return _swap_last(stored) if spec.transpose else stored
 
         keys = key_map(family, model.cfg)
-        unread = unread_keys(family, model.cfg, path, files) if strict else []
+        # unread_keys, with what acts on nothing as _folder_layout read it above (model.hf_inert), not read again
+        unread = [key for key in _not_read(family, model.cfg, path, files) if key not in model.hf_inert] if strict else []
         if unread:  # part of the checkpoint would be dropped without a word: refused
             raise ValueError(f"checkpoint: {len(unread)} key(s) in {str(path)!r} that the model's config reads nowhere, e.g. "
                              f"{unread[0]!r} (an option that leaves out part of the model? strict=False loads the rest)")
