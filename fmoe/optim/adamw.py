@@ -385,6 +385,8 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype}")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl: expected 'auto', 'triton' or 'torch', got {impl!r}")
+        if not isinstance(master_weights, bool):  # "no" is truthy: it turned masters on
+            raise ValueError(f"master_weights: expected True or False, got {master_weights!r}")
         try:
             betas = tuple(betas)
         except TypeError:  # not two values: add_param_group's check names it
@@ -399,11 +401,28 @@ class AdamW(torch.optim.Optimizer):
         # the checkpointed form): buckets are keyed by it without reading a tensor each step
         self._steps: dict = {}
 
+    def __getstate__(self) -> dict:
+        """torch's keeps defaults, state and param_groups only: a deepcopy, pickle or
+        torch.save of the optimizer lost state_dtype, master_weights and impl, and the
+        copy's first step failed."""
+        return {**super().__getstate__(), "state_dtype": self.state_dtype, "master_weights": self.master_weights, "impl": self.impl}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._cache = _TableCache()
+        self._steps = {}  # read again from state["step"] at the next step
+
     def add_param_group(self, param_group: dict) -> None:
         """Checks the group's own lr, betas, eps and weight_decay as the constructor checks
         its defaults (a ValueError naming the first bad one) and its parameters (float32,
-        bfloat16 or float16, each in the optimizer once), then adds it."""
+        bfloat16 or float16, each in the optimizer once), then adds it. A group asking for
+        maximize=True, amsgrad=True or decoupled_weight_decay=False (torch.optim.Adam's
+        flags, which this AdamW does not implement) is refused: the step would ignore it."""
         check_hyperparameters({**self.defaults, **param_group})
+        for key, value in _UNSUPPORTED_FLAGS.items():
+            if param_group.get(key, value) != value:
+                raise ValueError(f"{key}: expected {value} (this AdamW does not implement {key}={param_group[key]!r}), "
+                                 f"got {param_group[key]!r}")
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -482,6 +501,7 @@ class AdamW(torch.optim.Optimizer):
         Every group's lr, betas, eps and weight_decay are checked first, as add_param_group
         checks them (a value set on a group later, by hand or by a scheduler, included): a
         ValueError naming the first bad one, before the closure runs or anything changes.
+        A sparse gradient: a RuntimeError before anything changes.
         """
         if grad_factor is not None:
             check_float("grad_factor", grad_factor, 0, "[] (e.g. fmoe.optim.clip_factor's)")
@@ -491,14 +511,16 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # before any state changes (a refused step counted the earlier parameters' steps)
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(f"AdamW does not support sparse gradients (a parameter of shape {tuple(p.shape)})")
         factors = {}  # the factor as float32 on each parameter device, made once per step
         for group in self.param_groups:
             buckets = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
                 state = self._init_state(p)
                 step = self._steps.get(p)
                 step = (float(state["step"]) if step is None else step) + 1  # read once after a load

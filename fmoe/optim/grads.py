@@ -202,10 +202,16 @@ def _local_shards(tensors: list[Optional[torch.Tensor]], world: int, what: str =
     return out
 
 
+_NORMED_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: Optional[bool]) -> list[torch.Tensor]:
-    """The float32 p-norm of each tensor: torch._foreach_norm, or a loop when foreach=False."""
-    if foreach is False:
-        return [torch.linalg.vector_norm(g, p, dtype=torch.float32) for g in grads]
+    """The float32 p-norm of each tensor: torch._foreach_norm, or a loop when foreach=False.
+    float64 and complex tensors (torch's norms refuse dtype=float32 for them) are normed in
+    their own precision (|z| for complex values), then cast to float32."""
+    if foreach is False or any(g.dtype not in _NORMED_IN_FLOAT32 for g in grads):
+        return [torch.linalg.vector_norm(g, p, dtype=torch.float32) if g.dtype in _NORMED_IN_FLOAT32
+                else torch.linalg.vector_norm(g, p).float() for g in grads]
     return list(torch._foreach_norm(grads, p, dtype=torch.float32))
 
 

@@ -242,12 +242,14 @@ def test_grad_factor_refusals(factor, message):
         (dict(betas=0.9), "betas"),
         (dict(state_dtype=torch.float16), "state_dtype"),
         (dict(impl="cuda"), "impl"),
+        (dict(master_weights="no"), "master_weights"),  # truthy: masters were kept
+        (dict(master_weights=None), "master_weights"),
     ],
 )
 def test_validation(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         AdamW([torch.zeros(2, requires_grad=True)], **kwargs)
-    if name in ("state_dtype", "impl"):
+    if name in ("state_dtype", "impl", "master_weights"):
         return  # optimizer-wide, not per group
     with pytest.raises(ValueError, match=f"^{name}:"):  # a param group's own value is checked the same
         AdamW([{"params": [torch.zeros(2, requires_grad=True)], **kwargs}])
@@ -449,3 +451,73 @@ def test_load_refuses_flags_this_adamw_ignores(make, key, value):
     plain = torch.optim.AdamW([w])
     plain.step()
     AdamW([w]).load_state_dict(plain.state_dict())  # torch.optim.AdamW's defaults load
+
+
+@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True), ("decoupled_weight_decay", False)])
+def test_group_flags_this_adamw_ignores_are_refused(key, value):
+    """A group with maximize=True was accepted and stepped downhill; the optimizer then
+    refused to load its own state_dict."""
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=rf"^{key}: expected {not value} \(this AdamW does not implement {key}={value}\), got {value}"):
+        AdamW([{"params": [w], key: value}])
+    opt = AdamW([w])
+    with pytest.raises(ValueError, match=rf"^{key}:"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], key: value})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], key: not value})  # the value it implements
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle", "torch.save"])
+def test_a_copied_optimizer_steps_as_the_original(copy_with):
+    """torch's __getstate__ keeps defaults, state and param_groups: the copy lost
+    state_dtype and master_weights, and its first step was an AttributeError."""
+    import copy
+    import io
+    import pickle
+
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16, master_weights=True, impl="torch")
+
+    def step(m, o):
+        m.zero_grad()
+        m(torch.ones(4, 3, dtype=torch.bfloat16)).float().square().sum().backward()
+        o.step()
+
+    step(model, opt)
+    if copy_with == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    elif copy_with == "pickle":
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    else:
+        buffer = io.BytesIO()
+        torch.save((model, opt), buffer)
+        buffer.seek(0)
+        model2, opt2 = torch.load(buffer, weights_only=False)
+    assert (opt2.state_dtype, opt2.master_weights, opt2.impl) == (torch.bfloat16, True, "torch")
+    for _ in range(2):
+        step(model, opt)
+        step(model2, opt2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq", "master"))
+        assert opt2.state[q]["exp_avg"].dtype == torch.bfloat16 and opt2.state[q]["step"].item() == 3.0
+
+
+def test_a_sparse_gradient_changes_nothing():
+    """The parameters before the sparse one had their step counted, though none was updated:
+    a retry without it bias-corrected as at step 2."""
+    w = torch.nn.Parameter(torch.ones(3))
+    emb = torch.nn.Embedding(4, 3, sparse=True)
+    v = torch.nn.Parameter(torch.ones(2))
+    opt = AdamW([{"params": [v]}, {"params": [w, emb.weight]}], lr=0.1)
+    v.grad, w.grad = torch.ones(2), torch.ones(3)
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^AdamW does not support sparse gradients \(a parameter of shape \(4, 3\)\)"):
+        opt.step()
+    assert not opt.state and torch.equal(w.detach(), torch.ones(3)) and torch.equal(v.detach(), torch.ones(2))
+    emb.weight.grad = None
+    opt.step()
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    reference.param_groups[0]["params"][0].grad = torch.ones(3)
+    reference.step()
+    assert torch.equal(w.detach(), reference.param_groups[0]["params"][0].detach())

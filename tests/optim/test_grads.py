@@ -486,3 +486,25 @@ def test_patterns_that_are_not_strings_name_the_argument():
     _raises("^model: expected a torch.nn.Module .its named_parameters are matched., got list", Float32GradAccumulator, list(model.parameters()))
     _raises("^patterns: expected regular expressions", Float32GradAccumulator, model, patterns=[b"router"])
     _raises("^patterns: expected a regular expression or an iterable", Float32GradAccumulator, model, patterns=None)
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+def test_float64_and_complex_tensors_are_normed(one_rank_mesh, foreach):
+    """param_norm takes complex values, and the distributed rule (DTensor gradients) any
+    floating gradient: both asked torch's norms for a float32 result of float64 or complex
+    values, which torch refuses (a RuntimeError from linalg.vector_norm)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    values = [torch.tensor([3 + 4j, 1 - 2j]), torch.tensor([2.0, -6.0], dtype=torch.float64), torch.tensor([0.5, 1.5])]
+    params = [torch.nn.Parameter(v) for v in values]
+    flat = torch.cat([v.to(torch.complex128).flatten() for v in values])
+    torch.testing.assert_close(param_norm(params).double(), flat.abs().norm(), rtol=1e-6, atol=0)
+    grads = []
+    for v in values:
+        w = torch.nn.Parameter(distribute_tensor(torch.zeros_like(v), one_rank_mesh, [Shard(0)]))
+        w.grad = distribute_tensor(v, one_rank_mesh, [Shard(0)])
+        grads.append(w)
+    for p in (2.0, 3.0, INF):
+        got = grad_norm(grads, norm_type=p, foreach=foreach)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), torch.linalg.vector_norm(flat, p), rtol=1e-6, atol=0)
