@@ -58,7 +58,7 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_run, load_s
 import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import TransformerConfig  # noqa: E402
-from fmoe.train.run import ArgumentParser, run_script  # noqa: E402
+from fmoe.train.run import ArgumentParser, run_path, run_script  # noqa: E402
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -79,7 +79,7 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
         notes.append(f"capacity_factor={cfg.capacity_factor}: a training-time drop, not exported")
         cfg = dataclasses.replace(cfg, capacity_factor=None, capacity_policy="probs")  # the policy: which slots that drop keeps
     if source:
-        folder = Path(source)
+        folder = Path(source) if hf_folder else run_path(run, source)  # the run's: relative to where it started
         if not is_hf_folder(folder):
             knob = "--hf_config" if hf_folder else f"the run's --init_from_hf ({source!r})"
             raise ValueError(f"{knob}: not a Hugging Face folder (config.json with a model_type); pass --hf_config=FOLDER, "
@@ -114,7 +114,7 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
         hf = fmoe.hf.hf_config(cfg, model_type)
     if dtype:
         hf = {k: v for k, v in hf.items() if k != "torch_dtype"} | {"dtype": dtype}
-    return hf, notes, Path(source) if source else None
+    return hf, notes, folder if source else None
 
 
 def copy_folder_files(source: Path, out: Path) -> list[str]:

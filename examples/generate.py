@@ -68,7 +68,7 @@ from fmoe.model import Transformer
 from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
-from fmoe.train.run import ArgumentParser, run_script
+from fmoe.train.run import ArgumentParser, run_path, run_script
 
 
 def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, dict]:
@@ -193,9 +193,10 @@ def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:
     id or a list, as transformers' generate reads it), else `eos` (text_codec's). A run
     started from an HF folder (--init_from_hf) on token files stops at that folder's ids
     too, when the folder is still there (as its export_hf.py export does: the file is
-    copied), and at `eos`, its data's separator; a byte run at `eos` alone."""
+    copied; a relative path is relative to where the run started, fmoe.train.run.run_path),
+    and at `eos`, its data's separator; a byte run at `eos` alone."""
     started = run and run["config"].get("init_from_hf") and not _byte_run(run)
-    folder = path if not run else Path(run["config"]["init_from_hf"]) if started else None
+    folder = path if not run else run_path(run, run["config"]["init_from_hf"]) if started else None
     config = folder / "generation_config.json" if folder is not None else None
     stop = json.loads(config.read_text()).get("eos_token_id") if config is not None and config.is_file() else None
     stops = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
@@ -297,6 +298,8 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:  # torch.Generator's range
+        raise ValueError(f"seed: expected an int in [-2**63, 2**64), got {seed!r}")
     limit, longest = model.cfg.abs_positions, max(map(len, prompts))  # learned positions: a bound before any token is drawn
     if limit is not None and longest > limit:
         raise ValueError(f"prompt: expected at most {limit} tokens, the model's learned positions (abs_positions), got {longest}")

@@ -254,6 +254,9 @@ def test_a_released_llama4_folder_exports_its_text_model(tmp_path):
     assert notes == ["the llama4 folder's vision_model., multi_modal_projector. weights: fmoe does not read them; written as llama4_text "
                      "with the folder's text config"]
     assert export_hf.export_config(cfg, run, model_type="llama4_text")[0] == config
+    # a relative --init_from_hf is relative to where the run started (config.json's run.cwd), not to where this runs
+    relative = {"config": {"init_from_hf": "hf"}, "run": {"cwd": str(tmp_path)}}
+    assert pathlib.Path.cwd() != tmp_path and export_hf.export_config(cfg, relative) == (config, notes, tmp_path / "hf")
     with pytest.raises(ValueError, match=r"--model_type: 'llama4', but the run's Hugging Face folder .* is 'llama4', written as 'llama4_text'"):
         export_hf.export_config(cfg, run, model_type="llama4")
     model.hf_config = config

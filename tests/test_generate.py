@@ -272,6 +272,9 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     (dict(tokens=-1), r"tokens: expected an int >= 0 \(new tokens\), got -1"),
     (dict(tokens=2.5), r"tokens: expected an int >= 0 \(new tokens\), got 2.5"),  # was kv_cache's "max_tokens: ..., got 8.5"
     (dict(tokens="3"), r"tokens: expected an int >= 0 \(new tokens\), got '3'"),  # was a TypeError
+    (dict(seed=2**64), r"seed: expected an int in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),  # was torch's "Overflow when unpacking long long"
+    (dict(seed=-2**63 - 1), r"seed: expected an int in \[-2\*\*63, 2\*\*64\), got -9223372036854775809"),
+    (dict(seed=1.5), r"seed: expected an int in \[-2\*\*63, 2\*\*64\), got 1.5"),
 ])
 def test_bad_sampling_knobs(run_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -393,6 +396,9 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     started = {"config": {"init_from_hf": str(tmp_path)}, "byte_tokens": False}
     assert generate.stop_ids(run_dir[0], started, 61) == [62, stop, 61] and generate.stop_ids(run_dir[0], started, 62) == [62, stop]
     assert generate.stop_ids(run_dir[0], dict(started, byte_tokens=True), 61) == [61]  # bytes: the folder's ids are another vocabulary's
+    # a relative --init_from_hf is the run's: relative to where it started, not to where this runs
+    relative = {"config": {"init_from_hf": tmp_path.name}, "byte_tokens": False, "run": {"cwd": str(tmp_path.parent)}}
+    assert pathlib.Path.cwd() != tmp_path.parent and generate.stop_ids(run_dir[0], relative, 61) == [62, stop, 61]
     assert generate.stop_ids(run_dir[0], {"config": {"init_from_hf": str(tmp_path / "gone")}, "byte_tokens": False}, 61) == [61]
     assert generate.stop_ids(run_dir[0], {"config": {}}, 61) == [61] and generate.stop_ids(tmp_path / "gone", {}, None) == []
     for path, args, message in ((tmp_path, ["--chat", "--prompt_ids=1,2"], "--chat: it renders --prompt's text in the chat template"),

@@ -106,6 +106,19 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     return path
 
 
+def run_path(run: dict, path) -> Path:
+    """A path knob of a run's config.json (e.g. config.init_from_hf) as the run read it: a
+    relative one is relative to the directory the run started in (run_info's cwd, recorded
+    under "run"), wherever this reads it; an absolute one, or a config without the record,
+    as it is.
+
+    >>> str(run_path({"run": {"cwd": "/data/runs"}}, "hf/qwen3")), str(run_path({}, "hf/qwen3"))
+    ('/data/runs/hf/qwen3', 'hf/qwen3')
+    """
+    cwd = run.get("run", {}).get("cwd") if isinstance(run, dict) else None
+    return Path(cwd, path) if cwd else Path(path)
+
+
 # a process cannot catch these: no handler can note them
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 

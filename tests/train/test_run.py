@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import pathlib
 import threading
 import time
 
@@ -238,3 +239,12 @@ def test_nearest_names_begun_then_close():
         "model.n_experts", "model.ffn_expert", "model.expert_bias"]
     assert nearest("zzz", ("steps", "seed")) == [] and nearest("", ("steps",)) == []
     assert nearest("s", ("seed", "steps", "stop_at", "sx")) == ["seed", "steps", "stop_at"]  # at most n
+
+
+def test_run_path_is_relative_to_where_the_run_started(tmp_path):
+    """A run's relative path knobs (--init_from_hf) were read against the reader's directory."""
+    from fmoe.train.run import run_path
+
+    assert run_path({"run": {"cwd": str(tmp_path)}}, "hf/qwen3") == tmp_path / "hf" / "qwen3"
+    assert run_path({"run": {"cwd": str(tmp_path)}}, "/abs/hf") == pathlib.Path("/abs/hf")  # absolute: as it is
+    assert run_path({"config": {}}, "hf") == pathlib.Path("hf")  # no record of where it started
