@@ -14,7 +14,12 @@ most templates read, "thinking" gpt-oss's), as transformers does.
 `ChatTemplate.documents(messages)` says what to train on (fmoe.train.prepare's
 --messages_key): the assistant's turn i is the text that rendering messages[:i + 1] adds to
 rendering messages[:i] with the generation prompt (the turn's content and its end-of-turn
-tokens, not the `<|im_start|>assistant` header the generation prompt already holds). When
+tokens, not the `<|im_start|>assistant` header the generation prompt already holds). An
+assistant message that opens the conversation (i = 0: nothing before it to answer) is
+trained the same way where the template renders an empty conversation's generation prompt
+as the start of its text (ChatML's); where it cannot (a template that reads messages[0], or
+puts the BOS before a first message only: Llama 3's), it is not trained, and stays in the
+prompt of the turns after it. When
 every such text sits at the same place in the whole conversation's rendering, the
 conversation is one document with one character span per assistant turn. Some templates render an earlier turn differently
 once later turns follow (Qwen3's drops the reasoning of turns before the last user message):
@@ -183,8 +188,15 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if message["role"] != TRAINED_ROLE:
                 continue
-            head = render(messages[:i], add_generation_prompt=True, where=f"{where} up to message {i}")
+            try:
+                head = render(messages[:i], add_generation_prompt=True, where=f"{where} up to message {i}")
+            except ValueError:
+                if i == 0:  # an opening turn the template cannot prompt for (module docstring): not trained
+                    continue
+                raise
             text = render(messages[:i + 1], where=f"{where} up to message {i + 1}")
+            if i == 0 and not text.startswith(head):  # a BOS before the first message only
+                continue
             if not text.startswith(head):
                 raise ValueError(f"src: {where}: the chat template ({self.origin}) renders message {i} ({TRAINED_ROLE}) "
                                  "somewhere other than after its generation prompt, so its text cannot be told from the "

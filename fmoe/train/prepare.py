@@ -47,7 +47,9 @@ post-processing. OUT.loss_mask is 1 on the assistant's turns only (a token count
 first character is in one: the turn's text and end-of-turn tokens, not its role header)
 and on a separator that follows one. A conversation whose template renders earlier turns
 differently once later ones follow becomes one document per assistant turn
-(fmoe.train.chat); one without an assistant message is skipped. A record's "tools" field
+(fmoe.train.chat); one without an assistant message is skipped (an assistant message
+that opens a conversation is trained where the template can render its prompt:
+fmoe.train.chat). A record's "tools" field
 or column (function definitions; a JSON string of them is parsed), when it has one, is the
 template's `tools`, as apply_chat_template(messages, tools=...).
 

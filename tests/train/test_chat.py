@@ -359,3 +359,36 @@ def test_missing_templates_and_text_sources(model_dir, tmp_path):
     run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(src), str(tmp_path / "o.u16"), f"--tokenizer={folder / 'tokenizer.json'}",
                           "--messages_key=messages", f"--chat_template={tmp_path / 'empty.jinja'}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "error: chat_template: expected a non-empty Jinja template" in run.stderr
+
+
+# Llama 3's: the BOS before the first message only, so an empty conversation's generation prompt has none
+BOS_FIRST = ("{% for m in messages %}{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+             "{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+# Qwen2.5's: a default system turn unless messages[0] is one (an empty conversation has no messages[0])
+READS_FIRST = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe helpful.<|im_end|>\\n' }}{% endif %}"
+               "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_an_assistant_turn_that_opens_the_conversation():
+    """A conversation that opens with the assistant's greeting stopped the whole prepare run
+    under templates that cannot render an empty conversation's generation prompt as the start
+    of the first turn (Llama 3's BOS, Qwen2.5's messages[0]): that turn is not trained, the
+    later ones are; under ChatML it is trained as any other turn."""
+    chat = [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+
+    def trained(template, messages):
+        return [[text[a:b] for a, b in spans] for text, spans in template.documents(messages)]
+
+    chatml = ChatTemplate(CHATML)
+    assert trained(chatml, chat) == [["Hi!<|im_end|>\n", "4<|im_end|>\n"]]
+    for source in (BOS_FIRST, READS_FIRST):
+        template = ChatTemplate(source, {"bos_token": "<|begin_of_text|>"})
+        (text, spans), = template.documents(chat)
+        assert text == template.render(chat)
+        assert [text[a:b] for a, b in spans] == (["4<|eot_id|>"] if source == BOS_FIRST else ["4<|im_end|>\n"])
+        assert template.documents(chat[:1]) == []  # nothing else to train: skipped, as a conversation without an assistant turn
+    with pytest.raises(ValueError, match=r"renders message 1 \(assistant\) somewhere other than after its generation prompt"):
+        ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}").documents(
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])  # a later turn still refuses such a template
