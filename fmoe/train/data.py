@@ -184,6 +184,14 @@ class TokenDataset:
             kind = np.asarray(value).dtype
             if not (np.issubdtype(kind, np.integer) or (name != "data" and np.asarray(value).size == 0)):
                 raise ValueError(f"{name}: expected an integer array, got {kind}")
+        if np.ndim(data) != 1:  # make_batch blamed its input_ids
+            raise ValueError(f"data: expected a 1-D array [N] of token ids, got shape {np.shape(data)}")
+        if label_mask is not None and not (label_mask.dtype == np.bool_ or np.issubdtype(label_mask.dtype, np.integer)):
+            raise ValueError(f"label_mask: expected uint8 0/1 or bool values, got {label_mask.dtype}")
+        if (label_mask is not None and not isinstance(label_mask, np.memmap) and label_mask.size
+                and (int(label_mask.min()) < 0 or int(label_mask.max()) > 1)):
+            # read as True: a mask file's values are checked by its loader (one pass), an array in memory here
+            raise ValueError("label_mask: expected uint8 0/1 or bool values, got values other than 0 and 1")
         self.data, self.label_mask = data, label_mask
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -192,6 +200,8 @@ class TokenDataset:
         self.names = None if names is None else list(names)
         if self.names is not None and len(self.names) != len(self.starts):
             raise ValueError(f"names: expected {len(self.starts)} names, got {len(self.names)}")
+        if self.names is not None and not all(isinstance(n, str) for n in self.names):  # an AttributeError at split()
+            raise ValueError(f"names: expected strings, got {next(n for n in self.names if not isinstance(n, str))!r}")
         if len(self.starts) and (self.starts.min() < 0 or self.lengths.min() < 0 or (self.starts + self.lengths).max() > len(data)):
             bad = int(np.flatnonzero((self.starts < 0) | (self.lengths < 0) | (self.starts + self.lengths > len(data)))[0])
             raise ValueError(f"starts, lengths: document {bad} spans [{self.starts[bad]}, {self.starts[bad] + self.lengths[bad]}), "
@@ -401,6 +411,8 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
         value = fields[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "vocab_size" else 0):
             raise ValueError(f"path: the index {str(index)!r} holds {name} = {value!r}, expected an int >= {1 if name == 'vocab_size' else 0}")
+    if fields["dtype"] not in FILE_DTYPES:  # the error blamed the caller's dtype, which was not given
+        raise ValueError(f"path: the index {str(index)!r} holds dtype = {fields['dtype']!r}, expected one of {list(FILE_DTYPES)}")
     if not isinstance(fields.get("loss_mask"), (str, type(None))):  # a file name beside the index, or none
         raise ValueError(f"path: the index {str(index)!r} holds loss_mask = {fields['loss_mask']!r}, expected a file name or null")
     return fields
@@ -454,6 +466,7 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
     if not path.is_file():
         raise ValueError(f"path: {str(path)!r} is not a regular file")
     index = read_index(path)
+    given_dtype = dtype
     if index is not None:
         separator, vocab_size, dtype = (_from_index(field, given, index, path) for field, given in
                                         (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype)))
@@ -465,6 +478,9 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
                             "(load_text_dir), and `python -m fmoe.train.prepare` makes a token file of text" if text else ""))
     implied = SUFFIX_DTYPES.get(path.suffix.lower())
     if dtype in FILE_DTYPES and implied is not None and dtype != implied:
+        if given_dtype is None:  # the index's
+            raise ValueError(f"path: the index {str(index_path(path))!r} says dtype {dtype!r}, the suffix of {str(path)!r} "
+                             f"means {implied!r}")
         raise ValueError(f"dtype: {dtype!r} was given, the suffix of {str(path)!r} means {implied!r}")
     if dtype is None:
         if path.suffix.lower() not in SUFFIX_DTYPES:

@@ -528,3 +528,39 @@ def test_whole_documents_start_the_next_batch_instead_of_being_cut():
     with pytest.raises(ValueError, match="n_batches: 1 batches of 11 tokens, each document whole, need more than the dataset's 2 documents"):
         small.validation_batches(11, 1, whole_documents=True)
     assert [b["input_ids"].tolist() for b in small.stored_batches(5)] == [[1, 2, 0, 3, 0]]  # exactly the dataset: once
+
+
+def test_token_dataset_checks_its_names_data_and_mask_values():
+    """Names that are no strings failed at split() (an AttributeError), 2-D data at the first
+    batch (blaming make_batch's input_ids), and mask values other than 0 and 1 were read as
+    True (a mask file's loader refuses them)."""
+    data, starts, lengths = np.arange(1, 7, dtype=np.uint16), np.array([0, 3]), np.array([3, 3])
+    with pytest.raises(ValueError, match=r"^names: expected strings, got 7"):
+        TokenDataset(data, starts, lengths, ["a", 7], vocab_size=10, eos=None)
+    with pytest.raises(ValueError, match=r"^data: expected a 1-D array \[N\] of token ids, got shape \(2, 3\)"):
+        TokenDataset(data.reshape(2, 3), np.array([0]), np.array([1]), None, vocab_size=10, eos=None)
+    for mask, got in ((np.array([0, 2, 1, 0, 1, 1], dtype=np.uint8), "values other than 0 and 1"),
+                      (np.array([0, -1, 1, 0, 1, 1], dtype=np.int8), "values other than 0 and 1"),
+                      (np.ones(6, dtype=np.float32), "float32")):
+        with pytest.raises(ValueError, match=rf"^label_mask: expected uint8 0/1 or bool values, got {got}"):
+            TokenDataset(data, starts, lengths, None, vocab_size=10, eos=None, label_mask=mask)
+    ok = TokenDataset(data, starts, lengths, ["a", "b"], vocab_size=10, eos=None, label_mask=np.array([1, 0, 1, 1, 1, 0], dtype=bool))
+    assert len(ok.split(50)[0]) + len(ok.split(50)[1]) == 2
+
+
+def test_an_index_dtype_is_named_as_the_index_s(tmp_path):
+    """The index's dtype against the file's suffix was blamed on the caller ("dtype: 'uint32'
+    was given"), who gave none; a dtype no file has failed as if given."""
+    import json
+
+    path = tmp_path / "a.u16"
+    np.array([5, 1, 3], dtype=np.uint16).tofile(path)
+    index = dict(documents=2, tokens=3, dtype="uint32", separator=1, vocab_size=10)
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"^path: the index '.*a.u16.index.json' says dtype 'uint32', the suffix of '.*a.u16' means 'uint16'"):
+        load_token_file(path)
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="float32")))
+    with pytest.raises(ValueError, match=r"^path: the index '.*a.u16.index.json' holds dtype = 'float32', expected one of \['uint16', 'uint32'\]"):
+        load_token_file(path)
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="uint16")))
+    assert load_token_file(path).document(0).tolist() == [5, 1]
