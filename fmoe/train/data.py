@@ -550,10 +550,17 @@ def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Option
                 vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> TokenDataset:
     """load_stdlib() when path is None, load_text_dir(path) for a directory, load_npy for a
     .npy file, otherwise load_token_file(path, separator=, vocab_size=, dtype=) (separator
-    and vocab_size then required, from the arguments or the file's index)."""
+    and vocab_size then required, from the arguments or the file's index). A directory is
+    its files' bytes (vocab_size BYTE_VOCAB_SIZE, EOS after each): separator, vocab_size or
+    dtype given with one is a ValueError (they were ignored)."""
     if path is None:
         return load_stdlib()
     if _existing(path).is_dir():
+        given = {name: value for name, value in (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype))
+                 if value is not None}
+        if given:
+            raise ValueError(f"{', '.join(given)}: {str(path)!r} is a directory, read as the bytes of its text files "
+                             f"(vocab_size {BYTE_VOCAB_SIZE}, the EOS {EOS} after each file): {given} apply to token files only")
         return load_text_dir(path)
     if Path(path).suffix.lower() == ".npy":
         if separator is None or vocab_size is None:
@@ -953,7 +960,8 @@ def load_blend(spec: Union[str, os.PathLike, None] = None, *, separator: Optiona
                vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> Blend:
     """The Blend of parse_blend(spec), each source read by load_corpus: a directory as byte
     tokens, a .npy file, or a token file (its index gives separator, vocab_size and dtype).
-    separator, vocab_size and dtype apply to every source whose entry does not set them.
+    separator, vocab_size and dtype apply to every token-file source whose entry does not set
+    them; an entry of a directory (bytes) that sets them is refused (load_corpus).
     None or "": the embedded stdlib corpus as the one source "stdlib". Every error names the
     source: data: source 'code' (data/code.u32): ..."""
     if spec is None or not str(spec).strip():
@@ -962,10 +970,11 @@ def load_blend(spec: Union[str, os.PathLike, None] = None, *, separator: Optiona
     datasets = []
     for e in entries:
         with _naming(_where(e["name"], e["path"])):
+            defaults = (None, None, None) if Path(e["path"]).is_dir() else (separator, vocab_size, dtype)  # bytes: none applies
             datasets.append(load_corpus(
-                e["path"], separator=e["separator"] if e["separator"] is not None else separator,
-                vocab_size=e["vocab_size"] if e["vocab_size"] is not None else vocab_size,
-                dtype=e["dtype"] if e["dtype"] is not None else dtype))
+                e["path"], separator=e["separator"] if e["separator"] is not None else defaults[0],
+                vocab_size=e["vocab_size"] if e["vocab_size"] is not None else defaults[1],
+                dtype=e["dtype"] if e["dtype"] is not None else defaults[2]))
     return Blend(datasets, [e["name"] for e in entries], [e["weight"] for e in entries], [e["path"] for e in entries])
 
 

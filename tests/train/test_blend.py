@@ -407,3 +407,20 @@ def test_blend_constructor_errors():
     with pytest.raises(ValueError, match="tokens_per_batch"):
         BlendSampler(_blend([1]), 0, seed=0)
     assert torch.is_tensor(BlendSampler(_blend([1]), 4, seed=0).next_batch()["input_ids"])
+
+
+def test_token_file_options_on_a_directory_are_refused(tmp_path):
+    """A directory is bytes: a separator, vocab_size or dtype its entry sets (or load_corpus
+    is given) was ignored without a word; the blend-wide ones still apply to the token files
+    of a blend (train_moe's --separator)."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"^separator, vocab_size: '.*texts' is a directory, read as the bytes of its text files "
+                                         r"\(vocab_size 258, the EOS 256 after each file\): \{'separator': 5, 'vocab_size': 7\} apply to token files only"):
+        load_corpus(texts, separator=5, vocab_size=7)
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps([{"path": str(texts), "weight": 1, "dtype": "uint32"}]))
+    with pytest.raises(ValueError, match=r"data: source 'texts' .*: dtype: '.*texts' is a directory"):
+        load_blend(spec)
+    assert load_blend(str(texts), separator=0, vocab_size=300).datasets[0].vocab_size == 258  # blend-wide: the token files'
