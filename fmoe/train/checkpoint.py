@@ -327,12 +327,26 @@ def _stored(path: Path) -> Mapping:
                          "a damaged or incomplete checkpoint?") from None
 
 
-def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, torch.Tensor], cfg=None) -> None:
+def _whole_model_names(models: list[torch.nn.Module], model_state: Mapping) -> set[str]:
+    """The parameter and buffer names of the whole model that `models` (model_state: their
+    state) are: model_state's own, or, for pipeline chunks (fmoe.parallel.pipeline_chunk: each
+    holds its stages' blocks alone, a checkpoint every stage's), those of the whole
+    Transformer of their config, built on the meta device: the same names on every rank."""
+    chunks = [m for m in models if isinstance(m, Transformer) and m.pipeline_chunk is not None]
+    if not chunks:
+        return set(model_state)
+    with torch.device("meta"):
+        return set(Transformer(chunks[0].cfg).state_dict())
+
+
+def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, torch.Tensor], whole: set, cfg=None) -> None:
     """ValueError naming the parameters (and buffers) of model_state that checkpoint `path`
-    lacks or holds in another shape (full shapes: a DTensor's global one), before DCP reads
-    any of them: a model built with other knobs than the saved one's. cfg: the model's
-    TransformerConfig, whose knobs that differ from the saving run's (its config.json, when
-    the checkpoint lies in a run directory) the message names too. stored: _stored(path)."""
+    lacks or holds in another shape (full shapes: a DTensor's global one), and the saved ones
+    outside `whole` (the whole model's names: _whole_model_names), before DCP reads any of
+    them: a model built with other knobs than the saved one's (other shapes, fewer layers, no
+    MTP modules, ...). cfg: the model's TransformerConfig, whose knobs that differ from the
+    saving run's (its config.json, when the checkpoint lies in a run directory) the message
+    names too. stored: _stored(path)."""
     bad = []
     for name, value in model_state.items():
         if not isinstance(value, torch.Tensor):
@@ -342,6 +356,8 @@ def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, t
             bad.append(f"{name} (not saved)")
         elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
             bad.append(f"{name} (saved {list(meta.size)}, here {list(value.shape)})")
+    bad += [f"{key[len('model.'):]} (saved, not in this model)" for key, meta in stored.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata) and key[len("model."):] not in whole]
     if not bad:
         return
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
@@ -393,14 +409,15 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     path: a checkpoint directory (`out_dir/step_000123`) or a run's out_dir, whose newest
     complete checkpoint is taken. Returns the checkpoint directory used. Any mesh: DCP
     reshards the saved DTensors onto this model's (other ranks, FSDP / TP / EP sizes). The
-    model must have the saved one's parameter names and shapes: a ValueError names those
-    it lacks or holds in another shape, before any is read.
+    model must have the saved one's parameter names and shapes (pipeline chunks: the whole
+    model of their config): a ValueError names those it lacks, holds in another shape or
+    holds and the saved model does not, before any is read.
     """
     path = _checkpoint_or_newest(path)
     models = _models(model)
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
-    _check_model_shapes(path, _stored(path), state["model"], getattr(models[0], "cfg", None))
+    _check_model_shapes(path, _stored(path), state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
     _dcp_load(state, path)
     for m, part in zip(models, parts):
         set_model_state_dict(m, {k: state["model"][k] for k in part})
@@ -488,9 +505,10 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
     0's extra, which is right when extra is the same on every rank (the train loop's is).
-    A model of other parameter names or shapes than the saved one's, or optimizers whose
-    state entries the checkpoint lacks (another kind or set-up): a ValueError naming them,
-    before anything is read."""
+    A model of other parameter names or shapes than the saved one's (more or fewer; pipeline
+    chunks: the whole model of their config), or optimizers whose state entries the
+    checkpoint lacks (another kind or set-up): a ValueError naming them, before anything is
+    read."""
     path = _checkpoint_dir(path)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
@@ -503,10 +521,11 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
         raise ValueError(f"path: {str(path)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?") from None
     optimizers = _optimizers(optimizers)
-    pairs = _pairs(_models(model), optimizers)
+    models = _models(model)
+    pairs = _pairs(models, optimizers)
     state, parts = _state(pairs)
     stored = _stored(path)  # read once for both checks
-    _check_model_shapes(path, stored, state["model"], getattr(pairs[0][0], "cfg", None) if pairs else None)
+    _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
     _check_optimizer_state(path, stored, state["optim"])
     _dcp_load(state, path)
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):

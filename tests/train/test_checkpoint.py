@@ -378,6 +378,49 @@ def test_a_model_of_other_knobs_is_refused_by_name_before_anything_is_read(tmp_p
         ckpt.load_model(tmp_path, model=Transformer(TransformerConfig(**{**cfg.__dict__, "mtp_depth": 1})))
 
 
+def test_a_model_lacking_saved_parameters_is_refused_by_name_before_anything_is_read(tmp_path):
+    """Saved with 3 layers and an MTP module, loaded into a model with fewer layers or none:
+    load_model and load name the saved tensors the model lacks (four, the rest counted) and
+    the knobs, and read nothing. A pipeline chunk holds its stages' blocks alone: it loads
+    its part, and is refused as the whole model of its config would be (the same on every
+    rank, whichever stages it holds)."""
+    import json
+
+    from fmoe.model import PipelineChunk, Transformer, TransformerConfig
+    from fmoe.parallel import pipeline_chunk
+
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=3, n_dense=1, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1,
+                            head_dim=8, mtp_depth=1)
+    model = Transformer(cfg)
+    model.reset_parameters(seed=1)
+    ckpt.save(tmp_path, 1, model=model, optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)])
+    path = tmp_path / "step_000001"
+    for knob, lacked in (("mtp_depth", r"mtp\.0\.\S+ \(saved, not in this model\), .* and 13 more"),
+                         ("n_layers", r"blocks\.2\.\S+ \(saved, not in this model\), .* and 10 more")):
+        other = Transformer(TransformerConfig(**{**cfg.__dict__, knob: getattr(cfg, knob) - 1}))
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        with pytest.raises(ValueError, match=rf"path: the model of '.*step_000001' differs from this one: {lacked}; build the model"):
+            ckpt.load_model(tmp_path, model=other)
+        with pytest.raises(ValueError, match=lacked):
+            ckpt.load(path, model=other, optimizers=[torch.optim.SGD(other.parameters(), lr=0.1)])
+        assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    run = {"config": {"model": {n: v for n, v in cfg.__dict__.items() if n not in ("impl", "vocab_size")}}, "vocab_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match=r"13 more; the saving run's model has mtp_depth=1 \(here 0\); build"):
+        ckpt.load_model(tmp_path, model=Transformer(TransformerConfig(**{**cfg.__dict__, "mtp_depth": 0})))
+    # pipeline chunks: stage 0 of 2 (blocks 0 and 1, the embedding) loads its part of the whole model's checkpoint
+    chunk = pipeline_chunk(Transformer(cfg), PipelineChunk(0, 2, range(2)))
+    saved = model.state_dict()
+    assert not torch.equal(chunk.blocks[1].attn.wq, saved["blocks.1.attn.wq"])  # another seed's values until loaded
+    assert ckpt.load(path, model=[chunk], optimizers=[torch.optim.SGD(chunk.parameters(), lr=0.1)]) == {}
+    assert ckpt.load_model(path, model=[chunk]) == path
+    assert all(torch.equal(v, saved[k]) for k, v in chunk.state_dict().items())
+    # ... and stage 0 of a model without the MTP module (which the last stage would hold) is refused as well
+    chunk = pipeline_chunk(Transformer(TransformerConfig(**{**cfg.__dict__, "mtp_depth": 0})), PipelineChunk(0, 2, range(2)))
+    with pytest.raises(ValueError, match=r"differs from this one: mtp\.0\.\S+ \(saved, not in this model\)"):
+        ckpt.load_model(path, model=[chunk])
+
+
 def test_optimizers_of_another_kind_are_refused_by_name_before_anything_is_read(tmp_path):
     """Saved with AdamW, loaded into SGD with momentum: a ValueError naming the state the
     checkpoint lacks (DCP's own error is a BaseException), the weights untouched."""
