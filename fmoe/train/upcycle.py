@@ -37,9 +37,13 @@ shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth
 So the MoE model computes the dense model's function at the start, up to float rounding
 (the slices' sums are reordered), as long as no token is dropped by a capacity factor.
 Training breaks the ties: each expert of a group gets its own router-row gradient. Pre-
-softmax routing, unnormalised sigmoids and SparseMixer (weights that do not sum to a
-constant), weights on the experts' input (route_on_input), gpt-oss's expert biases and a
-non-plain SwiGLU are refused: no exact start exists there.
+softmax routing, unnormalised sigmoids (route_normalize=False, or k = 1: route divides the
+sigmoids by their sum only when k > 1) and SparseMixer (weights that do not sum to a
+constant), weights on the experts' input (route_on_input), a norm on the experts' or the
+MoE's output, gpt-oss's expert biases and a non-plain SwiGLU (the experts', the dense FFN's,
+or that of the MoE model's dense MLPs) are refused: no exact start exists there. Every check
+(the configs, and each dense tensor's presence and shape) comes before the first write: a
+refusal leaves `model` as it was.
 With drop > 0 (Drop-Upcycling) part of each expert starts fresh instead, by design.
 """
 
@@ -89,6 +93,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
                          "scaled SwiGLU; upcycling needs the weights on the experts' output (route_on_input=False)")
     if cfg.score in ("sigmoid", "sqrtsoftplus") and not cfg.route_normalize:
         raise ValueError(f"route_normalize: unnormalised {cfg.score} weights do not sum to a constant; upcycling needs route_normalize=True")
+    if cfg.score == "sigmoid" and k == 1:  # sqrt(softplus) is normalised for every k: its one weight is 1
+        raise ValueError("k: a single sigmoid weight is not normalised (sigmoids are divided by their sum only when k > 1), so it is not a "
+                         "constant; upcycling with sigmoid routing needs k > 1 (or score='sqrtsoftplus')")
     if dense_cfg.mlp_bias:
         raise ValueError("mlp_bias: the dense FFN's biases are not carried into the experts (their output bias would count once per "
                          "chosen slice); upcycle a dense model without them")
@@ -101,8 +108,15 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     if dense_cfg.shared_swiglu_limit is not None:
         raise ValueError("shared_swiglu_limit: the dense FFN's SwiGLU is clamped, which the experts' plain one would not be; upcycle a dense "
                          "model without the clamp")
+    if (dense_cfg.shared_swiglu_alpha, dense_cfg.shared_swiglu_offset) != (1.0, 0.0):
+        raise ValueError(f"shared_swiglu_alpha, shared_swiglu_offset: the dense FFN's SwiGLU is g sigmoid(alpha g) (u + offset) (alpha="
+                         f"{dense_cfg.shared_swiglu_alpha!r}, offset={dense_cfg.shared_swiglu_offset!r}), which the experts' plain one "
+                         "would not compute; upcycle a dense model with the plain SwiGLU (1.0, 0.0)")
     if cfg.moe_out_norm:
         raise ValueError("moe_out_norm: a norm on the MoE blocks' output changes the dense block's function; upcycle without it")
+    if cfg.expert_out_norm:
+        raise ValueError("expert_out_norm: each routed expert's output normed before its weight, the slices' outputs no longer sum to the "
+                         "dense FFN's; upcycle without it")
     if cfg.norm_gate_rank:
         raise ValueError("norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not, which changes the "
                          "dense block's function; upcycle without it")
@@ -124,16 +138,79 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
 # TransformerConfig fields in which the MoE model may differ from the dense one: its MoE blocks' knobs (granularity checks
 # those that rule an exact start out), how it runs (impl, ac, fp8, init_std, the losses' weights), and its MTP modules
 # (a Hugging Face dense model has none). Every other field must be the dense model's: it shapes the function the MoE
-# model computes at the start (a layer more, another RoPE base or norm eps gave other logits with matching shapes).
+# model computes at the start (a layer more, another RoPE base or norm eps gave other logits with matching shapes), and
+# so must those of _DENSE_MLP_FIELDS where the MoE model has dense MLPs (_differ). post_norm_eps is not here: it is the
+# eps of every block's post-norms (the MoE-only norms that take it, moe_out_norm and expert_out_norm, are refused).
 _MAY_DIFFER = frozenset({
     "n_dense", "ffn_dense", "n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "shared_scale", "moe_layers", "score",
     "pre_softmax", "n_groups", "topk_groups", "group_score_topk", "route_scale", "route_normalize", "expert_bias", "expert_bias_on_logits",
     "sparsemixer_eps", "zero_experts", "hash_layers", "shortcut_moe", "capacity_factor", "capacity_policy", "route_on_input", "moe_out_bias",
     "router_softcap", "router_scale", "router_bias", "expert_biases", "swiglu_alpha", "swiglu_limit", "swiglu_offset", "shared_swiglu_limit",
     "shared_swiglu_alpha", "shared_swiglu_offset", "swiglu_limit_layers", "shared_swiglu_limit_layers", "mlp_act", "mlp_bias", "dense_beside_moe",
-    "router_norm", "router_expert_scale", "moe_out_norm", "moe_latent", "moe_latent_norm", "expert_out_norm", "post_norm_eps", "norm_gate_rank",
+    "router_norm", "router_expert_scale", "moe_out_norm", "moe_latent", "moe_latent_norm", "expert_out_norm", "norm_gate_rank",
     "mtp_depth", "mtp_norm", "init_std", "impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "index_loss_coeff", "moa_aux_coeff",
 })
+# the fields of _MAY_DIFFER that shape the dense MLPs too (Block: ffn_dense, mlp_bias, and the shared experts' SwiGLU knobs)
+_DENSE_MLP_FIELDS = ("ffn_dense", "mlp_bias", "shared_swiglu_alpha", "shared_swiglu_offset")
+
+
+def _differ(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> list[str]:
+    """The fields in which the MoE model cfg differs from dense_cfg outside its MoE blocks'
+    routed part ("name=dense value (here value)"): those not in _MAY_DIFFER; where cfg has
+    dense MLP blocks, _DENSE_MLP_FIELDS and their SwiGLU clamp; and mtp_norm where an MTP
+    module is copied (its own output norm, or the trunk's final norm)."""
+    must = {f.name for f in dataclasses.fields(TransformerConfig) if f.name not in _MAY_DIFFER}
+    dense_mlps = [i for i in range(cfg.n_layers) if not cfg.is_moe(i) and i not in (cfg.mlp_free_layers or ())]
+    if dense_mlps:
+        must.update(_DENSE_MLP_FIELDS)
+        if any(cfg.mlp_limit(i) != dense_cfg.mlp_limit(i) for i in dense_mlps):
+            must.update(("shared_swiglu_limit", "shared_swiglu_limit_layers"))
+    if cfg.mtp_depth and dense_cfg.mtp_depth:
+        must.add("mtp_norm")
+    return [f"{f.name}={getattr(dense_cfg, f.name)!r} (here {getattr(cfg, f.name)!r})" for f in dataclasses.fields(TransformerConfig)
+            if f.name in must and getattr(dense_cfg, f.name) != getattr(cfg, f.name)]
+
+
+def _plan(part: Transformer, dense_state: Mapping[str, torch.Tensor], dense_cfg: TransformerConfig) -> tuple[int, list]:
+    """Check one part against the dense model, writing nothing: (g, [(name, p, what,
+    source)]), what the parameter's name in its MoE block ("router", "experts.w_up", ...;
+    None outside one), source the dense tensor it is written from (None: none). Each source is
+    read here to check it, one at a time, and once more where it is written."""
+    cfg = part.cfg
+    g = granularity(cfg, dense_cfg)
+    differ = _differ(cfg, dense_cfg)
+    if differ:
+        raise ValueError(f"dense_cfg: the dense model differs from the MoE model outside its MoE blocks: {', '.join(differ)}; "
+                         "the upcycled model would not start as the dense model's function")
+    H, Fe = cfg.hidden, cfg.ffn_expert
+    blocks, plan = _moe_blocks(cfg), []
+    for name, p in part.named_parameters():
+        if name.startswith("mtp.") and int(name.split(".")[1]) >= dense_cfg.mtp_depth:
+            continue  # an MTP module the dense model lacks (a Hugging Face model's): its initial values
+        block = next((b for b in blocks if name.startswith(b)), None)
+        what = name[len(block):] if block is not None else None
+        if what in ("router", "shared.w_down"):
+            plan.append((name, p, what, None))
+            continue
+        if what in ("experts.w_gate", "experts.w_up", "experts.w_down"):
+            source = block + what.split(".")[1]
+            missing = f"dense_state: no {source!r} to upcycle {name!r} from"
+            shape, whose = (g * Fe, H) if what == "experts.w_down" else (H, g * Fe), "expected"
+        elif what is not None and what.startswith(("router_bias", "router_norm", "expert_scale", "shared.", "shared_gate", "out_bias")):
+            continue  # their initial values (Gemma 4's router scales: ones, each group's weights alike; the output bias: zeros)
+        else:
+            source, shape, whose = name, tuple(p.shape), "the MoE model's is"
+            missing = f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers"
+        try:
+            value = dense_state[source]
+        except KeyError:
+            raise ValueError(missing) from None
+        if not isinstance(value, torch.Tensor):  # a numpy array: "no attribute 'detach'" before
+            raise ValueError(f"dense_state: {source!r} is a {type(value).__name__}, expected a tensor")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"dense_state: {source!r} has shape {tuple(value.shape)}, {whose} {shape}")
+        plan.append((name, p, what, source))
+    return g, plan
 
 
 @torch.no_grad()
@@ -158,8 +235,9 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
             after the scale above), so the copies of an FFN start apart. 0 (the default):
             the exact start above; 1: every expert fresh, with the dense weights' statistics.
 
-    Raises a ValueError naming the knob (granularity) or the parameter (a shape, or one the
-    dense model lacks) that rules the pair out.
+    Raises a ValueError naming the knob (granularity, or a field the dense model has another
+    value of) or the parameter (a shape, or one the dense model lacks) that rules the pair
+    out, before anything is written.
     """
     if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 <= drop <= 1.0:
         raise ValueError(f"drop: expected the fraction of each expert's channels to draw afresh, in [0, 1], got {drop!r}")
@@ -168,58 +246,35 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
     if not isinstance(dense_state, Mapping):  # the dense model itself: "argument of type 'Transformer' is not iterable" before
         raise ValueError(f"dense_state: expected the dense model's state (a mapping of names to tensors, e.g. its state_dict()), "
                          f"got {type(dense_state).__name__}")
-    for part in [model] if isinstance(model, torch.nn.Module) else list(model):
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+    plans = [_plan(part, dense_state, dense_cfg) for part in parts]  # every check first: a refusal leaves the model as it was
+    for part, (g, plan) in zip(parts, plans):
         cfg = part.cfg
-        g = granularity(cfg, dense_cfg)
-        differ = [f"{f.name}={getattr(dense_cfg, f.name)!r} (here {getattr(cfg, f.name)!r})" for f in dataclasses.fields(TransformerConfig)
-                  if f.name not in _MAY_DIFFER and getattr(dense_cfg, f.name) != getattr(cfg, f.name)]
-        if differ:
-            raise ValueError(f"dense_cfg: the dense model differs from the MoE model outside its MoE blocks: {', '.join(differ)}; "
-                             "the upcycled model would not start as the dense model's function")
         E, H, Fe = cfg.n_experts, cfg.hidden, cfg.ffn_expert
-        blocks = _moe_blocks(cfg)
-        for name, p in part.named_parameters():
-            if name.startswith("mtp.") and int(name.split(".")[1]) >= dense_cfg.mtp_depth:
-                continue  # an MTP module the dense model lacks (a Hugging Face model's): its initial values
-            block = next((b for b in blocks if name.startswith(b)), None)
-            what = name[len(block):] if block is not None else None
+        for name, p, what, source in plan:
             if what == "router":  # virtual groups: experts g j .. g j + g - 1 share row j
                 fresh = init_value(seed, name, p.shape, cfg.init_std)
                 copy_full_value(p, fresh[: E // g].repeat_interleave(g, dim=0))
-            elif what in ("experts.w_gate", "experts.w_up", "experts.w_down"):
-                source = block + what.split(".")[1]
-                if source not in dense_state:
-                    raise ValueError(f"dense_state: no {source!r} to upcycle {name!r} from")
+            elif what == "shared.w_down":  # the shared experts add nothing until trained
+                copy_full_value(p, torch.zeros(p.shape))
+            elif what is not None:  # the routed experts, from the dense FFN
                 dense = dense_state[source].detach().float().cpu()
                 if what == "experts.w_down":  # [F, H] -> slices [g, Fe, H], times g / route_scale
-                    want, slices = (g * Fe, H), lambda w: w.reshape(g, Fe, H) * (g / (cfg.route_scale or 1.0))
+                    experts = dense.reshape(g, Fe, H) * (g / (cfg.route_scale or 1.0))
                 else:  # [H, F] -> slices [g, H, Fe]
-                    want, slices = (H, g * Fe), lambda w: w.reshape(H, g, Fe).transpose(0, 1)
-                if tuple(dense.shape) != want:
-                    raise ValueError(f"dense_state: {source!r} has shape {tuple(dense.shape)}, expected {want}")
-                experts = slices(dense).repeat(E // g, 1, 1)  # expert e: slice e mod g
+                    experts = dense.reshape(H, g, Fe).transpose(0, 1)
+                experts = experts.repeat(E // g, 1, 1)  # expert e: slice e mod g
                 if drop > 0:  # Drop-Upcycling: each expert's dropped channels drawn afresh
                     n = round(drop * Fe)
                     # the same channels in an expert's three matrices: one draw per block
+                    block = name[: -len(what)]
                     dropped = torch.zeros(E, Fe, dtype=torch.bool)
                     dropped.scatter_(1, init_value(seed, block + "drop", (E, Fe), 1.0).argsort(dim=1)[:, :n], True)
                     fresh = init_value(seed, name + ".drop", experts.shape, 1.0) * experts.std() + experts.mean()
                     experts = torch.where(dropped[:, :, None] if what == "experts.w_down" else dropped[:, None, :], fresh, experts)
                 copy_full_value(p, experts)
-            elif what == "shared.w_down":  # the shared experts add nothing until trained
-                copy_full_value(p, torch.zeros(p.shape))
-            elif what is not None and what.startswith(("router_bias", "router_norm", "expert_scale", "shared.", "shared_gate", "out_bias")):
-                continue  # their initial values (Gemma 4's router scales: ones, each group's weights alike; the output bias: zeros)
-            elif name not in dense_state:
-                raise ValueError(f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers")
             else:
-                value = dense_state[name]
-                if not isinstance(value, torch.Tensor):  # a numpy array: "no attribute 'detach'" before
-                    raise ValueError(f"dense_state: {name!r} is a {type(value).__name__}, expected a tensor")
-                value = value.detach().cpu()  # read once: dense_state may read it from the files
-                if tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"dense_state: {name!r} has shape {tuple(value.shape)}, the MoE model's is {tuple(p.shape)}")
-                copy_full_value(p, value)
+                copy_full_value(p, dense_state[source].detach().cpu())  # its second read (_plan's the first): one tensor held at a time
         for name, table in part.named_buffers():
             if name.endswith("hash_table"):  # hashed blocks: each token id's k experts as k / g whole virtual groups
                 V, k = table.shape

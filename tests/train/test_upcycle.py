@@ -74,6 +74,12 @@ CASES = {
                             norm_overrides=("embed:unit", "final:plain"), qk_norm="rms", attn_gate=True),
     # MPT's blocks (ALiBi, no MTP module, bias-free LayerNorms, exact-GELU MLPs without a gate) into experts without a gate
     "g2-mpt": _moe(ffn_expert=32, k=2, alibi=True, mtp_depth=0, mlp_act="gelu", layer_norms=True),
+    # one sqrt(softplus) weight is normalised (1), unlike one sigmoid's
+    "copies-sqrtsoftplus-k1": _moe(k=1, score="sqrtsoftplus"),
+    # MiniMax-M3's shared experts' SwiGLU (their output 0 at first) where no block keeps a dense MLP (block 0 its mixer alone)
+    "g2-shared-swiglu-mlp-free": _moe(ffn_expert=32, k=2, n_shared=1, mlp_free_layers=(0,), shared_swiglu_alpha=1.702, shared_swiglu_offset=1.0),
+    # ...and Step 3.7's shared clamp on the MoE blocks only: the dense block 0's MLP stays the plain one
+    "g2-shared-clamp-moe-blocks": _moe(ffn_expert=32, k=2, n_shared=1, shared_swiglu_limit=0.01, shared_swiglu_limit_layers=(1, 2)),
 }
 # the fields of the blocks' mixers and norms, the dense model's as the MoE's
 MIXER = ("mlp_act", "linear_layers", "linear_kind", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv",
@@ -186,10 +192,12 @@ def test_the_pair_must_allow_an_exact_start():
         (_moe(pre_softmax=True), "pre_softmax: the weights of a softmax over every expert"),
         (_moe(score="sigmoid", route_normalize=False), "route_normalize: unnormalised sigmoid weights"),
         (_moe(score="sqrtsoftplus", route_normalize=False), "route_normalize: unnormalised sqrtsoftplus weights"),
+        (_moe(score="sigmoid", k=1), "k: a single sigmoid weight is not normalised (sigmoids are divided by their sum only when k > 1)"),  # 0.47 off
         (dataclasses.replace(_moe(), score="sparsemixer"), "score: sparsemixer's weights (each slot's own masked softmax) do not sum to a constant"),  # 0.43 off
         (_moe(route_on_input=True), "route_on_input: the routing weight scales each expert's input"),  # 0.32 off
         (_moe(expert_biases=True), "expert_biases: the dense FFN has no biases"),
         (_moe(moe_out_norm=True), "moe_out_norm: a norm on the MoE blocks' output changes the dense block's function"),
+        (_moe(expert_out_norm=True), "expert_out_norm: each routed expert's output normed before its weight"),
         (_moe(norm_gate_rank=2), "norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not"),
         (_moe(zero_experts=2), "zero_experts: a slot routed to a zero expert passes its token through"),
         (_moe(moe_latent=16), "moe_latent: a latent MoE's experts work in L channels between two projections"),
@@ -205,6 +213,11 @@ def test_the_pair_must_allow_an_exact_start():
     clamped = dataclasses.replace(DENSE, shared_swiglu_limit=7.0)  # the dense MLPs' clamp (Step 3.7's dense layers)
     with pytest.raises(ValueError, match="shared_swiglu_limit: the dense FFN's SwiGLU is clamped"):
         upcycle_(Transformer(_moe()), dense, clamped)
+    # MiniMax-M3's dense SwiGLU, g sigmoid(alpha g) (u + offset), cut into plain experts (0.22, 1.56 off with the MoE's alike)
+    for knobs in (dict(shared_swiglu_alpha=1.7), dict(shared_swiglu_offset=1.0)):
+        glu = dataclasses.replace(DENSE, **knobs)
+        with pytest.raises(ValueError, match=r"^shared_swiglu_alpha, shared_swiglu_offset: the dense FFN's SwiGLU is g sigmoid\(alpha g\)"):
+            upcycle_(Transformer(_moe(**knobs)), dense, glu)
     with pytest.raises(ValueError, match="dense_cfg: expected a dense model"):
         upcycle_(Transformer(_moe()), dense, _moe())
     biased = dataclasses.replace(DENSE, mlp_bias=True)
@@ -222,6 +235,16 @@ def test_the_pair_must_allow_an_exact_start():
         differ = ", ".join(f"{k}={getattr(DENSE, k)!r} \\(here {v!r}\\)" for k, v in knobs.items())
         with pytest.raises(ValueError, match=f"^dense_cfg: the dense model differs from the MoE model outside its MoE blocks: {differ}; "):
             upcycle_(Transformer(_moe(**knobs)), dense, DENSE)
+    # ...or a field that acts on the blocks that stay dense (block 0) too: the dense MLPs' SwiGLU (0.23, 1.41, 1.17 off),
+    # size and biases; every block's post-norm eps (2.22 off); the copied MTP module's output norm, or the final norm
+    # (alike at initialisation; trained apart, the MTP loss 0.08% off)
+    post = dataclasses.replace(DENSE, post_norms=True)
+    for dense_cfg, knobs in ((DENSE, dict(shared_swiglu_alpha=1.7)), (DENSE, dict(shared_swiglu_offset=1.0)), (DENSE, dict(shared_swiglu_limit=0.01)),
+                             (DENSE, dict(ffn_dense=32)), (DENSE, dict(mlp_bias=True)), (post, dict(post_norm_eps=1.0)), (DENSE, dict(mtp_norm=True)),
+                             (dataclasses.replace(DENSE, mtp_norm=True), dict(mtp_norm=False))):
+        differ = ", ".join(f"{k}={getattr(dense_cfg, k)!r} \\(here {v!r}\\)" for k, v in knobs.items())
+        with pytest.raises(ValueError, match=f"^dense_cfg: the dense model differs from the MoE model outside its MoE blocks: {differ}; "):
+            upcycle_(Transformer(_moe(post_norms=dense_cfg.post_norms, **knobs)), _dense_model(cfg=dense_cfg).state_dict(), dense_cfg)
     more = dataclasses.replace(DENSE, n_layers=DENSE.n_layers + 1, n_dense=DENSE.n_layers + 1)
     with pytest.raises(ValueError, match=rf"^dense_cfg: .*: n_layers={DENSE.n_layers + 1} \(here {DENSE.n_layers}\)"):
         upcycle_(Transformer(_moe()), _dense_model(cfg=more).state_dict(), more)
@@ -255,3 +278,25 @@ def test_a_dense_model_with_hyper_connections_upcycles_to_its_own_function():
     with torch.no_grad():
         torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]), dense.logits(batch["input_ids"], batch["cu_seqlens"]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_refusal_leaves_the_model_as_it_was():
+    """Every check comes before the first write: a refusal of the pair's configs, of a dense
+    tensor that is missing, of another shape or not a tensor (among the last upcycle_ reads:
+    one copied, one cut into experts), or of a later pipeline part, leaves every part's
+    parameters and buffers as they were."""
+    dense = _dense_model().state_dict()
+    bad = [(_moe(expert_out_norm=True), dense, "expert_out_norm: "), (_moe(shared_swiglu_alpha=1.7), dense, "dense_cfg: the dense model differs")]
+    for name, whose in (("mtp.0.block.mlp_norm.weight", ""), ("mtp.0.block.mlp.w_down", " to upcycle")):
+        bad += [(_moe(), {k: v for k, v in dense.items() if k != name}, f"dense_state: no {name!r}{whose}"),
+                (_moe(), {**dense, name: torch.zeros(3)}, f"dense_state: {name!r} has shape \\(3,\\)"),
+                (_moe(), {**dense, name: dense[name].numpy()}, f"dense_state: {name!r} is a ndarray, expected a tensor")]
+    for cfg, state, message in bad:
+        parts = [Transformer(_moe()), Transformer(cfg)]  # the first part passes its own checks
+        for part in parts:
+            part.reset_parameters(seed=5)
+        before = [{n: t.clone() for n, t in [*part.named_parameters(), *part.named_buffers()]} for part in parts]
+        with pytest.raises(ValueError, match=message):
+            upcycle_(parts, state, DENSE, seed=5)
+        for part, was in zip(parts, before):
+            assert all(torch.equal(t, was[n]) for n, t in [*part.named_parameters(), *part.named_buffers()]), message
