@@ -39,8 +39,8 @@ Legend: T tokens (T_local on this rank), E experts, K = k slots per token, B doc
 
 from __future__ import annotations
 
+import hashlib
 import numbers
-import zlib
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -169,7 +169,10 @@ def seq_load_balancing_losses_split(
         scores: {name: [T_local, E]} and experts: {name: [T_local, k]} of the layers this
             rank holds (the same names in both, each in `names`); every layer splits the
             same tokens (one T_local). A layer of `names` this rank does not hold sends
-            zeros, so every rank of the group takes part in the same collective.
+            zeros, so every rank of the group takes part in the same collective; a rank
+            that holds none (scores = experts = {}) still passes its own start or
+            token_index, and mask (its T_local read from token_index or mask), so that its
+            tokens count in the lengths S_b as they do on the ranks holding the layers.
         names: every MoE layer's name, in the same order on every rank of the group.
         n_experts: E. cu_seqlens, k, group, start / token_index, check, mask: as
             seq_load_balancing_loss_split (one mask: every layer splits the same tokens).
@@ -191,8 +194,10 @@ def seq_load_balancing_losses_split(
         if T_local is not None and T != T_local:
             raise ValueError(f"scores[{name!r}]: expected the same {T_local} local tokens as the other layers, got {T}")
         T_local = T
+    if T_local is None:  # no layer here: the tokens are token_index's or the mask's (checked against each other in _seq_split)
+        T_local = next((t.shape[0] for t in (token_index, mask) if isinstance(t, torch.Tensor) and t.dim() == 1), 0)
     layers = [(name, scores[name], experts[name]) for name in names if name in scores]
-    return _seq_split(layers, names, T_local or 0, n_experts, cu_seqlens, k=k, group=group, start=start,
+    return _seq_split(layers, names, T_local, n_experts, cu_seqlens, k=k, group=group, start=start,
                       token_index=token_index, check=check, mask=mask)
 
 
@@ -424,8 +429,10 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
     An empty mapping issues no collective (the names are the same on every rank, so none
     waits) and returns {}. Names that differ between ranks (as many of them) make every
     returned value NaN on every rank: they summed other ranks' values under the wrong names
-    before (a fingerprint of the names rides in the same collective; checking it on the host
-    would cost a sync).
+    before. A 96-bit fingerprint of the sorted names (three 32-bit BLAKE2b slots, integers
+    that float64 sums exactly for up to 2**21 ranks) rides in the same collective and is
+    compared on the device (checking it on the host would cost a sync): two different sets
+    of names pass it only by chance, about 2**-96.
 
     Example: rank 0 {"loss": 1.5, "tokens": 10}, rank 1 {"loss": 2.0, "tokens": 12}
     -> {"loss": tensor(3.5, dtype=torch.float64), "tokens": tensor(22., dtype=torch.float64)}
@@ -452,10 +459,14 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
             return v.detach().reshape(()).to(device=device, dtype=torch.float64)
         return torch.full((), float(v), dtype=torch.float64, device=device)
 
-    # the names' fingerprint beside the values: summed, it is world x this rank's own only where every rank passed these names
-    mark = float(zlib.crc32("\0".join(names).encode()) % (1 << 20) + 1)
-    buf = torch.stack([on_device(values[n]) for n in names] + [on_device(mark)])
+    # the names' fingerprint beside the values: summed, each slot is world x this rank's own only where every rank passed
+    # these names. repr: names holding a separator cannot join into another list's string; 32-bit slots: a sum over up
+    # to 2**21 ranks stays below 2**53, exact in float64, so equal names never read as different
+    digest = hashlib.blake2b(repr(names).encode(), digest_size=12).digest()
+    marks = [float(int.from_bytes(digest[i:i + 4], "little")) for i in range(0, 12, 4)]
+    buf = torch.stack([on_device(values[n]) for n in names] + [on_device(m) for m in marks])
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
-    same = buf[-1] == mark * dist.get_world_size(pg)
-    sums = dict(zip(names, torch.where(same, buf[:-1], float("nan")).unbind(0)))  # on the device: no host sync
+    world = dist.get_world_size(pg)
+    same = torch.stack([buf[len(names) + i] == m * world for i, m in enumerate(marks)]).all()
+    sums = dict(zip(names, torch.where(same, buf[:len(names)], float("nan")).unbind(0)))  # on the device: no host sync
     return {name: sums[name] for name in values}

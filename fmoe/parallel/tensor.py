@@ -101,7 +101,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fmoe.model import Attention, Block, DenseMLP, HyperConnection, LinearAttention, MoE, ResidualGate, RMSNorm
+from fmoe.model import Attention, Block, DenseMLP, HyperConnection, LinearAttention, MoE, ResidualGate, RMSNorm, TransformerConfig
 from fmoe.ops import drop_by_capacity
 from fmoe.ops.routing import Routes, keep_slots
 from fmoe.parallel.expert import copy_to_tp, gather_tokens, split_tokens
@@ -328,9 +328,19 @@ class _HeadsRegion(_ShardedRegion):
     """A region split over tp by whole heads: its cfg's head counts (_head_counts: the cfg
     fields, head_counts unless the module's kind says otherwise) divisible by tp, and divided
     by it on each rank; the parameters it does not shard every rank holds whole
-    (HeadShard.replicated: their gradients summed over tp)."""
+    (HeadShard.replicated: their gradients summed over tp).
+
+    knobs: the TransformerConfig field each head count was set by where it has another name
+    (a refusal names what the user set): the window's or chunk's blocks' local_heads and
+    local_kv_heads (tensor_parallel_plan passes them), linear attention's linear_k_heads and
+    linear_v_heads; a count not in it is named as its cfg field."""
 
     head_counts: tuple[str, ...] = ()
+    knobs: dict[str, str] = {}
+
+    def __init__(self, knobs: Optional[dict[str, str]] = None):
+        if knobs:
+            self.knobs = {**self.knobs, **knobs}
 
     def _head_counts(self, module) -> tuple[str, ...]:
         return self.head_counts
@@ -340,8 +350,9 @@ class _HeadsRegion(_ShardedRegion):
     def _check(self, module, tp):
         counts = {name: getattr(module.cfg, name) for name in self._head_counts(module) if not (self.replicate_kv and name == "n_kv_heads")}
         if any(n % tp for n in counts.values()):
-            listed = " and ".join(f"{name} = {n}" for name, n in counts.items())
-            raise ValueError(f"tp: {type(module).__name__}'s {listed} must {'both ' if len(counts) > 1 else ''}be divisible by tp = {tp}")
+            *rest, last = [f"{self.knobs.get(name, name)} = {n}" for name, n in counts.items()]
+            listed, each = (f"{', '.join(rest)} and {last}", "both " if len(rest) == 1 else "all ") if rest else (last, "")
+            raise ValueError(f"tp: {type(module).__name__}'s {listed} must {each}be divisible by tp = {tp}")
         super()._check(module, tp)
 
     def _configure(self, module, mesh):
@@ -383,8 +394,7 @@ class AttentionParallel(_HeadsRegion):
         self.replicate_kv = self._replicates_kv(module, device_mesh.size())  # from the whole config, before _configure splits it
         return super()._apply(module, device_mesh)
 
-    @staticmethod
-    def _replicates_kv(module, tp: int) -> bool:
+    def _replicates_kv(self, module, tp: int) -> bool:
         """Grouped-query attention with fewer kv heads G than tp ranks, tp % G == 0 (multi-query
         attention: DeepSeek-V4's one key head): wk, wv and their biases stay whole on every rank."""
         cfg = module.cfg
@@ -394,7 +404,8 @@ class AttentionParallel(_HeadsRegion):
         taken = [knob for knob, on in (("qk_norm", cfg.qk_norm in ("proj", "head_layer")), ("moa_experts", cfg.moa_experts is not None),
                                        ("index_topk_blocks", cfg.index_topk_blocks is not None)) if on]
         if taken:
-            raise ValueError(f"tp: n_kv_heads = {G} < tp = {tp}: the kv heads are replicated, each rank computing its query heads' one; not with "
+            knob = self.knobs.get("n_kv_heads", "n_kv_heads")  # local_kv_heads in a window's or chunk's block where set
+            raise ValueError(f"tp: {knob} = {G} < tp = {tp}: the kv heads are replicated, each rank computing its query heads' one; not with "
                              f"{taken[0]} {getattr(cfg, taken[0])!r} (whose weights follow the kv heads)")
         return True
 
@@ -448,6 +459,7 @@ class LinearAttentionParallel(_HeadsRegion):
     T tokens (the documents of the micro-batch) for its heads; the outputs are summed."""
 
     head_counts = ("n_k_heads", "n_v_heads")
+    knobs = {"n_k_heads": "linear_k_heads", "n_v_heads": "linear_v_heads"}  # fmoe.model.LinearAttention's (TransformerConfig.linear_attention_config)
 
     def _head_counts(self, module) -> tuple[str, ...]:
         # Mamba-1's one group of B and C, which every rank holds: its channels alone are split
@@ -501,6 +513,16 @@ def _block_edges(model: nn.Module, name: str, block: Block) -> tuple[bool, bool]
     return block is run[0], block is run[-1]
 
 
+def _attention_knobs(model: nn.Module, attention: Attention) -> dict[str, str]:
+    """The TransformerConfig knobs an Attention's head counts were set by where they have
+    other names: a window's or chunk's block's local_heads and local_kv_heads, where the
+    model's config sets them (TransformerConfig.attention_config(local=True))."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, TransformerConfig) or (attention.cfg.window is None and attention.cfg.chunk is None):
+        return {}
+    return {field: knob for field, knob in (("n_heads", "local_heads"), ("n_kv_heads", "local_kv_heads")) if getattr(cfg, knob) is not None}
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The parallelize_module plan for fmoe's reference model, or any module tree whose
     Attention, DenseMLP and MoE modules sit in fmoe.model Blocks (module docstring):
@@ -532,7 +554,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             raise ValueError(f"model: {type(module).__name__} {name!r} is not inside a fmoe.model.Block; sequence parallelism "
                              "splits tokens at Blocks (build your own plan with ShardTokens at the edges of the token-sharded run)")
         if isinstance(module, Attention):
-            plan[name] = AttentionParallel()
+            plan[name] = AttentionParallel(_attention_knobs(model, module))
         elif isinstance(module, LinearAttention):
             plan[name] = LinearAttentionParallel()
         elif isinstance(module, DenseMLP):  # dense blocks' MLPs and MoE blocks' shared experts

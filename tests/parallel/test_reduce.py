@@ -145,7 +145,32 @@ def _seq_layers_results(rank, world_size, E=4, k=2, cu=(0, 5, 11, 16)):
     return dict(values={n: float(v) for n, v in values.items()}, refs=refs, calls=len(calls), one_by_one=one_by_one,
                 masked={n: float(v) for n, v in masked.items()}, masked_refs=masked_refs, masked_calls=len(masked_calls),
                 lonely={n: float(v) for n, v in lonely.items()}, lonely_ref=float(ops.seq_load_balancing_loss(s, e, cu_t, k=k)),
-                lonely_calls=len(lonely_calls))
+                lonely_calls=len(lonely_calls), layerless=_layerless_results(rank, world_size, bounds, E, k, cu))
+
+
+def _layerless_results(rank, world_size, bounds, E, k, cu):
+    """The odd ranks hold no MoE layer (scores = experts = {}) but split the tokens with the
+    others, each passing its own token_index, or start, and a mask: they send zeros and their
+    mask's tokens, so the even ranks' values add up to the one-process loss with the odd ranks'
+    tokens routed nowhere (experts -1, scores 0), the same lengths S_b."""
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    T = cu[-1]
+    s, e, _, _ = _seq_inputs(E, k, list(cu), None, seed=70)
+    keep = torch.arange(T) % 5 != 2
+    strided = (torch.arange(rank, T, world_size), torch.arange(T) % world_size)  # (this rank's tokens, each token's rank)
+    contiguous = (torch.arange(bounds[rank], bounds[rank + 1]), torch.searchsorted(torch.tensor(bounds[1:]), torch.arange(T), right=True))
+    out = {}
+    for variant, (index, owner), mask in (("token_index", strided, None), ("start, mask", contiguous, keep),
+                                          ("token_index, mask", strided, keep)):
+        where = dict(start=bounds[rank]) if variant.startswith("start") else dict(token_index=index)
+        gone = (owner % 2 == 1)[:, None]
+        ref = ops.seq_load_balancing_loss(s.masked_fill(gone, 0.0), e.masked_fill(gone, -1), cu_t, k=k, mask=mask)
+        held = ({LAYERS[1]: s[index]}, {LAYERS[1]: e[index]}) if rank % 2 == 0 else ({}, {})
+        with counting_all_reduce() as calls:
+            got = seq_load_balancing_losses_split(*held, cu_t, k=k, group=dist.group.WORLD, names=LAYERS, n_experts=E,
+                                                  mask=None if mask is None else mask[index], **where)
+        out[variant] = dict(values={n: float(v) for n, v in got.items()}, ref=float(ref), calls=len(calls))
+    return out
 
 
 def _check_seq_layers(results):
@@ -163,6 +188,12 @@ def _check_seq_layers(results):
     assert results[0]["refs"][LAYERS[0]] != results[0]["refs"][LAYERS[2]]  # the layers differ
     assert results[0]["lonely"] == {LAYERS[1]: pytest.approx(results[0]["lonely_ref"], rel=1e-6)}
     assert all(r["lonely"] == {} for r in results[1:]) and [r["lonely_calls"] for r in results] == [1] * len(results)
+    for variant in results[0]["layerless"]:  # ranks without a layer join the one collective, their tokens counted in S_b
+        per_rank = [r["layerless"][variant] for r in results]
+        assert [r["calls"] for r in per_rank] == [1] * len(results), variant
+        assert all(r["values"] == {} for r in per_rank[1::2]), variant
+        total = sum(r["values"][LAYERS[1]] for r in per_rank[0::2])
+        assert total == pytest.approx(per_rank[0]["ref"], rel=1e-5), variant
 
 
 # ---------------------------------------------------------------------------- counts, sums
@@ -512,7 +543,11 @@ def _mismatched_names_results(rank):
     names = ["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"]
     own = {"layer_1": torch.tensor([10, 0]), "layer_2": torch.tensor([0, 14])} if rank == 0 else {"layer_1": torch.tensor([1, 2]), "layer_2": torch.tensor([3, 4])}
     counts = all_reduce_counts(own, dist.group.WORLD, names=names, n_experts=2)
-    return dict(sums={k: v.item() for k, v in sums.items()}, counts={k: v.tolist() for k, v in counts.items()}, order=list(counts))
+    # names a weak fingerprint took for the same: crc32 % 2**20 of these two collides; joined by "\0", these two lists read alike
+    collided = all_reduce_sums({"loss_130": 1.0} if rank == 0 else {"loss_22100": 2.0}, dist.group.WORLD)
+    joined = all_reduce_sums({"a\0b": 1.0, "c": 2.0} if rank == 0 else {"a": 1.0, "b\0c": 2.0}, dist.group.WORLD)
+    return dict(sums={k: v.item() for k, v in sums.items()}, counts={k: v.tolist() for k, v in counts.items()}, order=list(counts),
+                collided={k: v.item() for k, v in collided.items()}, joined={k: v.item() for k, v in joined.items()})
 
 
 def _world2(rank, world_size):
@@ -597,6 +632,8 @@ def test_names_that_differ_between_ranks_never_sum_into_each_other(world2):
     for rank, result in enumerate(world2):
         got = result["mismatched"]
         assert list(got["sums"]) == ["loss", "aux" if rank == 0 else "z"] and all(v != v for v in got["sums"].values()), got
+        for key in ("collided", "joined"):
+            assert len(got[key]) == (1 if key == "collided" else 2) and all(v != v for v in got[key].values()), (key, got[key])
         assert got["counts"] == {"layer_1": [11, 2], "layer_2": [3, 18]} and got["order"] == (["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"])
 
 
@@ -703,6 +740,10 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
             {"a": experts, "b": experts - 2}, cu, **kw)
     _raises("scores: expected a mapping", layers, scores, experts, cu, **kw)
     _raises("n_experts: expected >= 1", layers, {}, {}, cu, **{**kw, "n_experts": 0})
+    # a rank without a layer: its tokens are token_index's, which its mask must match (and the group is checked after)
+    layerless = dict(k=2, names=["a"], n_experts=4, token_index=torch.arange(4))
+    _raises(r"mask: expected None or a bool tensor \[4\] .*, got torch.bool \[5\]", layers, {}, {}, cu, group=None, mask=torch.ones(5, dtype=torch.bool), **layerless)
+    _raises("group: expected", layers, {}, {}, cu, group=None, mask=torch.ones(4, dtype=torch.bool), **layerless)
 
     good = {"a": torch.ones(4, dtype=torch.int64)}
     _raises(r"counts: layer names \['b'\] are not in names", all_reduce_counts, {"b": torch.ones(4, dtype=torch.int64)}, None, names=["a"], n_experts=4)
