@@ -273,6 +273,13 @@ def parse_args(argv: list[str]) -> Config:
     for name in ("min_lr", "warmup", "wsd_decay"):  # -1: the default (a tenth of --lr; 20 steps or a tenth of the run; a fifth of the rest)
         if getattr(cfg, name) < 0 and getattr(cfg, name) != -1:
             sys.exit(f"--{name}: expected >= 0, or -1 for its default, got {getattr(cfg, name)}")
+    if cfg.separator < -1:  # read as "none given", then "separator: required" blamed a missing one
+        sys.exit(f"--separator: expected a token id >= 0, or -1 for the token file's index's, got {cfg.separator}")
+    if cfg.lr_style != "wsd" and (cfg.wsd_decay != -1 or cfg.wsd_style != "linear"):  # the decay of wsd's last steps: no effect otherwise
+        knob = "--wsd_decay" if cfg.wsd_decay != -1 else "--wsd_style"
+        sys.exit(f"{knob}: shapes --lr_style=wsd's final decay; this run's --lr_style is {cfg.lr_style}")
+    if cfg.init_lr > 0 and cfg.warmup == 0:
+        sys.exit(f"--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr={cfg.init_lr})")
     if cfg.min_lr > cfg.lr:
         sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {cfg.min_lr}")
     if not cfg.clip > 0:

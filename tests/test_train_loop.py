@@ -375,6 +375,10 @@ BAD_KNOBS = [
     (["--lr=1e-3", "--min_lr=1e-2"], "--min_lr: expected at most --lr = 0.001, got 0.01"),
     (["--min_lr=-2"], "--min_lr: expected >= 0, or -1 for its default, got -2.0"),
     (["--warmup=-5"], "--warmup: expected >= 0, or -1 for its default, got -5"),
+    (["--separator=-5"], "--separator: expected a token id >= 0, or -1 for the token file's index's, got -5"),  # was "separator: required"
+    (["--wsd_decay=3"], "--wsd_decay: shapes --lr_style=wsd's final decay; this run's --lr_style is cosine"),  # no effect without a word
+    (["--lr_style=linear", "--wsd_style=cosine"], "--wsd_style: shapes --lr_style=wsd's final decay; this run's --lr_style is linear"),
+    (["--warmup=0", "--init_lr=1e-4"], "--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr=0.0001)"),
     (["--tokens_per_micro_batch=2"], "--tokens_per_micro_batch: expected at least --model.mtp_depth + 2 = 3 (a token and the 2 after it"),
     (["--z_coeff=inf"], "--z_coeff: expected a finite number, got inf"),
     (["--mtp_lambda=-0.1"], "--mtp_lambda: expected a number >= 0, got -0.1"),
