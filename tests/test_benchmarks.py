@@ -286,3 +286,22 @@ def test_bench_train_step_times_the_hybrid_models(kind, tmp_path, plain_train_st
     assert hybrid["model"] == f"{kind} (smoke)" and plain["model"] == "smoke"  # the rows told apart
     assert hybrid["impl"] == "fmoe eager" and int(hybrid["syncs/step"]) == 0 and int(hybrid["fwd+bwd reads"]) == 0
     assert int(hybrid["params"]) > int(plain["params"]) and float(hybrid["flops_per_token"]) > float(plain["flops_per_token"])
+
+
+def test_the_readme_lists_every_benchmark_and_what_the_lease_parts_run():
+    """README's Benchmarks section named 18 of the 20 scripts, and called gpu_lease.sh's parts a
+    and b "the same" as run_all.py, which runs every one."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Benchmarks"):]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert [s for s in scripts if f"benchmarks/{s}" not in section] == []
+    lease = (ROOT / "benchmarks" / "gpu_lease.sh").read_text()
+    in_a_b = set()
+    for part in ("a", "b"):
+        body = re.search(rf"^\s*{part}\)\n(.*?);;", lease, re.S | re.M).group(1)
+        in_a_b.update(re.findall(r"bench_\w+", body))
+    said = re.search(r"gpu_lease\.sh b\s+# the core of it \((\d+) benchmarks", section)
+    assert said and int(said.group(1)) == len(in_a_b) < len(scripts)
