@@ -12,7 +12,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# CPU machines get pinned CPU builds; a CUDA machine takes the registry's CUDA builds
+# CPU machines get pinned versions (the CPU builds where pip's index holds them); a CUDA machine takes the registry's CUDA builds
 CPU_PINS := torch==2.13.0 triton==3.7.1
 
 .PHONY: setup test test-gpu train bench bench-smoke clean
