@@ -1043,6 +1043,9 @@ class AttentionConfig:
             if isinstance(self.local_rot_dim, bool) or not isinstance(self.local_rot_dim, int) or not 2 <= self.local_rot_dim <= top \
                     or self.local_rot_dim % 2:
                 raise ValueError(f"local_rot_dim: expected an even int in 2..head_dim = {top}, or None, got {self.local_rot_dim!r}")
+            if self.rope_last is True and not self.local_rot_dim < top:  # rope_last's rule for the local layers' tables (it failed at the first forward)
+                raise ValueError(f"local_rot_dim: with rope_last the local layers turn the last {self.local_rot_dim} channels of each head, "
+                                 f"which needs fewer than their head_dim = {top}")
         if self.gate_act not in GATE_ACTS:
             raise ValueError(f"gate_act: expected one of {', '.join(GATE_ACTS)}, got {self.gate_act!r}")
         if not isinstance(self.gate_per_head, bool):

@@ -47,7 +47,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
+from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, LINEAR_KINDS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
                          PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_hash_routing, check_sparsemixer_knobs, check_window, compress_shapes, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
                          moe, prescaled_rms_norm, q_in, qk_norm_shapes, softmax_scale)
 from fmoe.ops import linear_cross_entropy
@@ -1048,11 +1048,18 @@ class TransformerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-        if not 0 <= self.n_dense <= self.n_layers:
-            raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers}, got {self.n_dense}")
+        if isinstance(self.n_dense, bool) or not isinstance(self.n_dense, int) or not 0 <= self.n_dense <= self.n_layers:
+            raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers} (an int), got {self.n_dense!r}")
         check_positive_int("mtp_depth", self.mtp_depth, 0)
-        if self.n_shared < 0:
-            raise ValueError(f"n_shared: expected >= 0, got {self.n_shared}")
+        if isinstance(self.n_shared, bool) or not isinstance(self.n_shared, int) or self.n_shared < 0:  # 1.5 failed in torch.empty
+            raise ValueError(f"n_shared: expected an int >= 0, got {self.n_shared!r}")
+        # "False" is truthy: it built the feature (the other bools' checks are beside their knobs)
+        for name in ("qkv_bias", "o_bias", "attn_sinks", "router_bias", "expert_biases", "mtp_norm", "shared_gate", "expert_bias",
+                     "tie_embeddings", "round_embed_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.linear_kind not in LINEAR_KINDS:  # checked by the linear blocks' config only where there are some
+            raise ValueError(f"linear_kind: expected one of {', '.join(LINEAR_KINDS)}, got {self.linear_kind!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:

@@ -2690,6 +2690,9 @@ def test_rope_on_the_last_channels_is_rope_on_the_first_of_the_channels_turned_a
     (dict(rope_last=1), r"rope_last: expected a bool, got 1"),
     (dict(rope_last=True), r"rope_last: rotates the last rot_dim channels of each head, needs rot_dim < head_dim = 16, got rot_dim None"),
     (dict(rope_last=True, rot_dim=16), r"rope_last: .*got rot_dim 16"),
+    # the local layers' own table under the same rule (it failed at the first forward)
+    (dict(rope_last=True, rot_dim=8, local_rope_base=100.0, local_rot_dim=16),
+     r"local_rot_dim: with rope_last the local layers turn the last 16 channels of each head, which needs fewer than their head_dim = 16"),
     (dict(rope_last=True, n_kv_heads=4, kv_rank=6, rot_dim=4), r"rope_last: .* not with kv_rank"),
     (dict(q_rank=0), r"q_rank: expected None or a positive int \(the q latent's width\), got 0"),
     (dict(q_rank=8, n_heads=4, moa_experts=3, moa_topk=2), r"q_rank: not with a mixture of attention heads"),

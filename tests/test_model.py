@@ -1197,6 +1197,21 @@ def test_minimax_m3_blocks_train_their_indexers_by_their_loss_alone():
 def test_bad_configs():
     with pytest.raises(ValueError, match="n_dense: expected 0..n_layers"):
         TransformerConfig(n_layers=2, n_dense=3)
+    # a bool given as a string built the feature ("False" is truthy); counts given as other types were a TypeError naming
+    # nothing, or ran (n_dense=1.5), or failed at build (n_shared=1.5: torch.empty); an unknown linear_kind passed while no
+    # block was linear
+    for name in ("qkv_bias", "o_bias", "attn_sinks", "router_bias", "expert_biases", "mtp_norm", "shared_gate", "expert_bias",
+                 "tie_embeddings", "round_embed_scale"):
+        with pytest.raises(ValueError, match=f"^{name}: expected a bool, got 'False'"):
+            TransformerConfig(**{name: "False"})
+    for name, value, said in (("n_dense", 1.5, r"n_dense: expected 0..n_layers = 4 \(an int\), got 1.5"),
+                              ("n_dense", "1", r"n_dense: expected 0..n_layers = 4 \(an int\), got '1'"),
+                              ("n_dense", True, r"n_dense: expected 0..n_layers = 4 \(an int\), got True"),
+                              ("n_shared", 1.5, r"n_shared: expected an int >= 0, got 1.5"),
+                              ("n_shared", "1", r"n_shared: expected an int >= 0, got '1'"),
+                              ("linear_kind", "not_a_kind", r"linear_kind: expected one of gated_deltanet, kda, .*, got 'not_a_kind'")):
+        with pytest.raises(ValueError, match=f"^{said}"):
+            TransformerConfig(n_layers=4, **{name: value})
     # softmax routing takes the aux-loss-free bias too (on the probabilities: ERNIE 4.5's)
     softmax = Transformer(TransformerConfig(score="softmax", n_layers=2, n_dense=1))
     assert all(m.expert_bias.shape == (softmax.cfg.n_experts,) for m in softmax.moe_layers().values())
@@ -1259,6 +1274,8 @@ def test_bad_configs():
                          (dict(route_normalize="x"), "route_normalize: expected a bool, got 'x'"),
                          (dict(router_softcap=-2.0), "router_softcap: expected None or a positive finite number, got -2.0"),
                          (dict(window=3, local_rope_base=100.0, local_rope_dim=3), r"local_rope_dim: expected an even int in 2..head_dim = 32, or None, got 3"),
+                         (dict(window=3, rope_dim=8, rope_last=True, local_rope_base=100.0, local_rope_dim=32),  # was the first forward's error
+                          r"local_rope_dim: with rope_last the local layers turn the last 32 channels of each head, which needs fewer than their head_dim = 32"),
                          (dict(index_rope_interleaved=True), "index_rope_interleaved: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
                          (dict(linear_layers=(0,), linear_conv=0), "linear_conv: expected >= 1, got 0"),
                          (dict(linear_layers=(0,), linear_kind="mamba2", linear_gate_norm="x"), "linear_gate_norm: expected one of"),
