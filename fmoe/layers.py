@@ -185,8 +185,9 @@ class MoEConfig:
     the sigmoids + it (fmoe.ops.route's bias_on_logits; Kolibri-1); the weights are the
     chosen sigmoids all the same. glu_act: the experts' gate activation, "silu" (SwiGLU)
     or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's) or "silu_cap" (the limits cap silu(gate)
-    rather than gate: Step 3.7's), or "relu2": experts without a gate
-    (no w_gate, no shared_w_gate: relu(x w_up)^2 w_down, Nemotron 3's), the routed and the
+    rather than gate: Step 3.7's), or one of experts without a gate (no w_gate, no
+    shared_w_gate: act(x w_up) w_down): "relu2" (relu squared, Nemotron 3's), "gelu"
+    (exact), "gelu_new" (GELU's tanh form) or "relu" (fmoe.ops.experts.PLAIN_ACTS), the routed and the
     shared experts' (fmoe.ops.grouped_mlp's act; not "xielu", a dense MLP's only). norm_eps:
     the router's RMSNorm's eps (params["router_norm"]), and the latent norm's
     (params["latent_norm"]). logit_scale: the router's logits times this constant before the
