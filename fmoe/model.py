@@ -1051,11 +1051,11 @@ class TransformerConfig:
         if isinstance(self.n_dense, bool) or not isinstance(self.n_dense, int) or not 0 <= self.n_dense <= self.n_layers:
             raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers} (an int), got {self.n_dense!r}")
         check_positive_int("mtp_depth", self.mtp_depth, 0)
-        if isinstance(self.n_shared, bool) or not isinstance(self.n_shared, int) or self.n_shared < 0:  # 1.5 failed in torch.empty
-            raise ValueError(f"n_shared: expected an int >= 0, got {self.n_shared!r}")
+        check_positive_int("n_shared", self.n_shared, 0)  # 1.5 failed in torch.empty
         # "False" is truthy: it built the feature (the other bools' checks are beside their knobs)
         for name in ("qkv_bias", "o_bias", "attn_sinks", "router_bias", "expert_biases", "mtp_norm", "shared_gate", "expert_bias",
-                     "tie_embeddings", "round_embed_scale"):
+                     "tie_embeddings", "round_embed_scale", "dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars",
+                     "v_norm", "global_k_eq_v"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.linear_kind not in LINEAR_KINDS:  # checked by the linear blocks' config only where there are some
@@ -1069,9 +1069,6 @@ class TransformerConfig:
             raise ValueError("mlp_act: 'xielu' (Apertus's, with learned scalars per MLP) in dense MLPs only; experts with it are not built")
         if self.mlp_act in PLAIN_ACTS and self.expert_biases:
             raise ValueError(f"expert_biases: mlp_act {self.mlp_act!r} makes experts without a gate, which take no b_gate (gpt-oss's biases)")
-        for name in ("dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars", "v_norm", "global_k_eq_v"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.dense_beside_moe:
             bad = [name for name in ("shortcut_moe", "parallel_blocks", "hyper_connections", "moe_out_norm", "norm_gate_rank") if getattr(self, name)]
             if bad:
