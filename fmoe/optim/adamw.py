@@ -323,6 +323,13 @@ def check_hyperparameters(group: dict) -> None:
     check_number("weight_decay", group["weight_decay"], "a finite weight_decay >= 0", lambda v: v >= 0.0)
 
 
+def unsupported_flag(group: dict) -> Optional[str]:
+    """The first of torch.optim.Adam's flags that this AdamW does not implement
+    (_UNSUPPORTED_FLAGS: maximize, amsgrad, decoupled_weight_decay=False) that `group` sets
+    to another value than the one implemented, or None."""
+    return next((key for key, value in _UNSUPPORTED_FLAGS.items() if group.get(key, value) != value), None)
+
+
 def check_params_once(params: list, param_groups: list[dict]) -> None:
     """ValueError for a tensor of `params` (a group being added) listed twice, or already in
     param_groups: torch only warns within a group, and a step updated it twice."""
@@ -419,10 +426,10 @@ class AdamW(torch.optim.Optimizer):
         maximize=True, amsgrad=True or decoupled_weight_decay=False (torch.optim.Adam's
         flags, which this AdamW does not implement) is refused: the step would ignore it."""
         check_hyperparameters({**self.defaults, **param_group})
-        for key, value in _UNSUPPORTED_FLAGS.items():
-            if param_group.get(key, value) != value:
-                raise ValueError(f"{key}: expected {value} (this AdamW does not implement {key}={param_group[key]!r}), "
-                                 f"got {param_group[key]!r}")
+        key = unsupported_flag(param_group)
+        if key is not None:
+            raise ValueError(f"{key}: expected {_UNSUPPORTED_FLAGS[key]} (this AdamW does not implement {key}={param_group[key]!r}), "
+                             f"got {param_group[key]!r}")
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -468,9 +475,9 @@ class AdamW(torch.optim.Optimizer):
         AdamW does not implement. torch.optim.AdamW's own state dicts load."""
         saved_groups = state_dict["param_groups"]
         for n, group in enumerate(saved_groups):
-            for key, value in _UNSUPPORTED_FLAGS.items():
-                if group.get(key, value) != value:
-                    raise ValueError(f"state_dict: param group {n} has {key}={group[key]!r}, which this AdamW does not implement")
+            key = unsupported_flag(group)
+            if key is not None:
+                raise ValueError(f"state_dict: param group {n} has {key}={group[key]!r}, which this AdamW does not implement")
         dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
         check_state_shapes(self.param_groups, state_dict, {key: lambda p: p.shape for key in dtypes})
         saved_ids = [i for group in saved_groups for i in group["params"]]
