@@ -208,10 +208,17 @@ def _ce_grid(N: int, V: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(N, meta["BLOCK_R"]),), meta
 
 
+def _check_row_labels(labels_N, N):
+    """The custom ops' labels: one per logits row (the kernels read them by row index)."""
+    if labels_N.shape != (N,):
+        raise ValueError(f"labels: expected shape [N] = [{N}], one per logits row, got {tuple(labels_N.shape)}")
+
+
 def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_2N, n_valid, ignore_index, mean, write_grad, softcap=0.0):
     """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same);
     lse_2N [2, N] float32 (unit column stride) gets each row's max and log-sum; softcap 0: none."""
     N, V = logits_NV.shape
+    _check_row_labels(labels_N, N)
     if N == 0:
         return
     grid, meta = _ce_grid(N, V)
@@ -225,6 +232,13 @@ def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_2N, n_valid, ignore_ind
 def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_2N, grad_NV, ignore_index, mean, softcap=0.0):
     """Run _ce_bwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
     N, V = logits_NV.shape
+    _check_row_labels(labels_N, N)
+    # the kernel reads both rows of the forward's lse by offset: a logsumexp of shape [N] would be read past its end
+    if lse_2N.shape != (2, N) or lse_2N.dtype != torch.float32 or lse_2N.stride(1) != 1:
+        raise ValueError(
+            f"lse: expected the forward's [2, N] = [2, {N}] float32 rows (max, log-sum) with unit column stride, "
+            f"got shape {tuple(lse_2N.shape)}, {lse_2N.dtype}, strides {lse_2N.stride()}"
+        )
     if N == 0:
         return
     grid, meta = _ce_grid(N, V)

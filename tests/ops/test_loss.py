@@ -576,7 +576,7 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits, labels, IGNORE, True))
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits.detach(), labels, IGNORE, False))
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits, labels, IGNORE, True, 2.0))  # a softcap
-    lse = torch.logsumexp(logits.detach(), dim=-1)
+    _, lse = torch.ops.fmoe.cross_entropy_fwd(logits.detach(), labels, IGNORE, True)  # [2, N]: what the backward reads
     grad_loss = torch.tensor(0.5, device=device)
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_bwd.default, (grad_loss, logits.detach(), labels, lse, IGNORE, True))
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_bwd_.default, (grad_loss, logits.detach().clone(), labels, lse, IGNORE, False))
@@ -589,6 +589,28 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h.detach(), w.detach(), labels, IGNORE, False, 3, False, False, True))
     torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h, w, labels, IGNORE, True, 3, True, True, True, None, False, 2.0),
                           test_utils=no_aot)
+
+
+def test_custom_ops_refuse_an_lse_or_labels_they_would_read_past(device):
+    """The kernels read labels by row and both rows of the forward's [2, N] lse by offset: a
+    logsumexp of shape [N] (what torch computes) or short labels would be read past their end,
+    giving gradients from whatever memory follows, so the ops refuse them."""
+    N, V = 7, 12
+    logits = torch.randn(N, V, device=device)
+    labels = _labels(N, V, device)
+    grad_loss = torch.tensor(0.5, device=device)
+    _, lse = torch.ops.fmoe.cross_entropy_fwd(logits, labels, IGNORE, True)
+    expected = torch.func.grad(lambda x: TF.cross_entropy(x, labels, ignore_index=IGNORE))(logits) * 0.5
+    torch.testing.assert_close(torch.ops.fmoe.cross_entropy_bwd(grad_loss, logits, labels, lse, IGNORE, True), expected)
+    for bad in (torch.logsumexp(logits, dim=-1), lse.double(), lse[:, :-1], lse.t().contiguous().t()):
+        with pytest.raises(ValueError, match="lse: expected the forward's"):
+            torch.ops.fmoe.cross_entropy_bwd(grad_loss, logits, labels, bad, IGNORE, True)
+        with pytest.raises(ValueError, match="lse: expected the forward's"):
+            torch.ops.fmoe.cross_entropy_bwd_(grad_loss, logits.clone(), labels, bad, IGNORE, True)
+    for op in (lambda lab: torch.ops.fmoe.cross_entropy_fwd(logits, lab, IGNORE, True),
+               lambda lab: torch.ops.fmoe.cross_entropy_bwd(grad_loss, logits, lab, lse, IGNORE, True)):
+        with pytest.raises(ValueError, match=r"labels: expected shape \[N\] = \[7\]"):
+            op(labels[:-1])
 
 
 def test_compile_without_graph_breaks(device):
