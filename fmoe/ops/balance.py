@@ -338,6 +338,8 @@ def _check_scores_counts(scores, counts):
     E = scores.shape[1]
     if not isinstance(counts, torch.Tensor) or counts.shape != (E,):
         raise ValueError(f"counts: expected a tensor of shape ({E},), got {getattr(counts, 'shape', type(counts).__name__)}")
+    if counts.dtype == torch.bool or counts.is_complex():
+        raise ValueError(f"counts: expected int or float counts, got {counts.dtype}")
 
 
 def load_balancing_loss(
@@ -354,9 +356,11 @@ def load_balancing_loss(
         scores: [T, E] from aux_scores (differentiable).
         counts: [E] slots per expert (int or float).
         k: slots per token. n_tokens: token count the counts cover: an int >= 1, or a 0-D
-            tensor, whose 0 (every token masked: fmoe.ops.balance.mask_tokens, n_tokens =
-            mask.sum(), read on no host) gives 0 with a zero gradient, as z_loss's mean over
-            no token does.
+            int or float tensor >= 0, whose 0 (every token masked:
+            fmoe.ops.balance.mask_tokens, n_tokens = mask.sum(), read on no host) gives 0
+            with a zero gradient, as z_loss's mean over no token does. A tensor's value is
+            not checked (that would be a device->host sync): one below 0 is the caller's
+            error.
     Returns: 0-D float32 tensor.
     """
     _check_scores_counts(scores, counts)
@@ -364,6 +368,8 @@ def load_balancing_loss(
     if isinstance(n_tokens, torch.Tensor):
         if n_tokens.numel() != 1:
             raise ValueError(f"n_tokens: expected an int or a 1-element tensor, got shape {tuple(n_tokens.shape)}")
+        if n_tokens.dtype == torch.bool or n_tokens.is_complex():
+            raise ValueError(f"n_tokens: expected an int or float tensor (a token count), got {n_tokens.dtype}")
         n = n_tokens.reshape(()).to(device=scores.device, dtype=torch.float32)
     else:
         n = float(check_positive_int("n_tokens", n_tokens))
@@ -523,7 +529,9 @@ def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[
     Args:
         counts: [E] or [L, E] slots routed to each expert (tokens_per_expert, summed over
             micro-batches and ranks as wanted), int or float, any device.
-        n_slots: the slots requested, T * k over the same tokens: an int or a 0-D tensor.
+        n_slots: the slots requested, T * k over the same tokens: an int >= 0, or a 0-D int
+            or float tensor >= 0 whose value is not checked (it stays on the device: one
+            below 0 is the caller's error).
     Returns:
         {"max_over_mean", "cv", "dropped_fraction"}: float32 tensors on counts' device, 0-D
         for counts [E], [L] for counts [L, E]. Nothing is read on the host.
@@ -541,6 +549,8 @@ def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[
     if isinstance(n_slots, torch.Tensor):
         if n_slots.ndim != 0:
             raise ValueError(f"n_slots: expected an int or a 0-D tensor, got shape {tuple(n_slots.shape)}")
+        if n_slots.dtype == torch.bool or n_slots.is_complex():
+            raise ValueError(f"n_slots: expected an int or float tensor (a slot count), got {n_slots.dtype}")
         n = n_slots.to(device=counts.device)
     else:
         n = torch.tensor(check_positive_int("n_slots", n_slots, 0), device=counts.device)

@@ -131,14 +131,20 @@ def yarn_correction_range(
     Frequencies j <= low rotate more than beta_fast times over the original context L and
     keep their frequency; j >= high rotate fewer than beta_slow times and are interpolated
     (divided by the factor); in between the ramp blends the two. DeepSeek-V3 (dim 64, base
-    1e4, L 4096): (10, 23).
+    1e4, L 4096): (10, 23). The index turning r times over L is
+    d(r) = dim * ln(L / (2 pi r)) / (2 ln(base)).
 
     truncate: round low down and high up to whole indices (YaRN's paper, DeepSeek-V3); False
     keeps the fractional bounds (gpt-oss, transformers' `truncate: false`).
 
     Returns:
-        (low, high): clamped to 0 .. dim - 1; ints when truncate, except high = low + 0.001
-        when they coincide.
+        (low, high) = (max(d(beta_fast), 0), min(d(beta_slow), dim - 1)): low clamped from
+        below only, high from above only; ints when truncate (d rounded before clamping),
+        except high = low + 0.001 when they coincide. So high can be below low: an original
+        context so short that d(beta_slow) < 0 gives high < 0 = low (dim 64, base 1e4, L 1:
+        (0, -6)), and yarn_inv_freq's ramp is then 0 for every j: no frequency is
+        interpolated. One so long that d(beta_fast) > dim - 1 gives low > dim - 1 = high
+        (dim 4, base 2, L 1e6: (24, 3)), and the ramp is 1 for every j: every frequency is.
     """
     dim = _check_dim(dim)
     base = _check_number("base", base, above=1.0)

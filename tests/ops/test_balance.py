@@ -177,6 +177,21 @@ def test_switch_loss_bad_inputs():
     _raises("n_tokens: expected an int or a 1-element", F.load_balancing_loss, s, torch.ones(3), k=1, n_tokens=torch.ones(2))
 
 
+
+def test_switch_loss_refuses_bool_counts_and_n_tokens():
+    """counts are slot counts (int or float) and n_tokens a token count: a bool tensor in
+    either (a mask passed where its sum was meant) read as 0/1 counts and gave a loss. The
+    refusal is a dtype check, so nothing is read on the host."""
+    s = torch.softmax(torch.randn(6, 4), dim=-1)
+    counts = torch.tensor([3, 5, 2, 2])
+    _raises("counts: expected int or float counts, got torch.bool", F.load_balancing_loss, s, torch.ones(4, dtype=torch.bool), k=2, n_tokens=6)
+    _raises("counts: expected int or float counts, got torch.complex64", F.load_balancing_loss, s, torch.ones(4, dtype=torch.complex64), k=2, n_tokens=6)
+    _raises(r"n_tokens: expected an int or float tensor \(a token count\), got torch.bool", F.load_balancing_loss, s, counts, k=2, n_tokens=torch.tensor(True))
+    with HostReads() as reads:
+        F.load_balancing_loss(s, counts, k=2, n_tokens=torch.tensor(6))
+        F.load_balancing_loss(s, counts.float(), k=2, n_tokens=torch.tensor(6.0))
+    assert reads.count == 0, reads.sites
+
 # ---------------------------------------------------------------------------- sequence loss
 
 
@@ -489,6 +504,19 @@ def test_load_stats_bad_inputs():
     _raises("n_slots: expected an int or a 0-D tensor", F.load_stats, torch.ones(3), torch.tensor([4]))
     _raises("n_slots: expected >= 0", F.load_stats, torch.ones(3), -1)
     _raises("n_slots: expected an int", F.load_stats, torch.ones(3), 4.0)
+
+
+def test_load_stats_refuses_a_bool_n_slots_tensor():
+    """n_slots is a slot count: a bool tensor read as 1 slot (dropped_fraction -23 for the
+    counts below). Its value, like any n_slots tensor's, is not checked: load_stats reads
+    nothing on the host (a negative one is the caller's error, documented)."""
+    counts = torch.tensor([10, 2, 6, 6])
+    _raises(r"n_slots: expected an int or float tensor \(a slot count\), got torch.bool", F.load_stats, counts, torch.tensor(True))
+    _raises(r"n_slots: expected an int or float tensor \(a slot count\), got torch.complex64", F.load_stats, counts, torch.tensor(32 + 0j))
+    with HostReads() as reads:
+        F.load_stats(counts, torch.tensor(32))
+        F.load_stats(counts, torch.tensor(32.0))
+    assert reads.count == 0, reads.sites
 
 
 # ---------------------------------------------------------------------------- registration

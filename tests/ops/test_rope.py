@@ -364,6 +364,26 @@ def test_yarn_correction_range_bounds():
     assert inv.tolist() == [1.0]  # j = 0 sits at low: ramp 0, frequency kept
 
 
+def test_yarn_correction_range_can_put_high_below_low():
+    """Each bound is clamped on one side only (SPEC.md section 4), so high can fall below low.
+    D 64, base 1e4, L 1: d(1) = 64 ln(1 / 2 pi) / (2 ln 1e4) = -6.39 -> -6 < 0 = low, and the
+    ramp (j - 0) / (-6 - 0) clamps to 0: every frequency kept. D 4, base 2, L 1e6: d(32) =
+    24.56 -> 24 > 3 = high, and the ramp (j - 24) / (3 - 24) >= 1: every frequency divided."""
+    def d(dim, base, L, r):
+        return dim * math.log(L / (2 * math.pi * r)) / (2 * math.log(base))
+
+    assert round(d(64, 1e4, 1, 1), 2) == -6.39 and round(d(4, 2.0, 10**6, 32), 2) == 24.56
+    assert yarn_correction_range(64, base=1e4, original_max_positions=1) == (0, -6)
+    low, high = yarn_correction_range(64, base=1e4, original_max_positions=1, truncate=False)
+    assert low == 0 and high == pytest.approx(d(64, 1e4, 1, 1))
+    assert yarn_correction_range(4, base=2.0, original_max_positions=10**6) == (24, 3)
+    for truncate in (True, False):
+        short = yarn_inv_freq(64, base=1e4, factor=8.0, original_max_positions=1, truncate=truncate)
+        assert torch.equal(short, rope_inv_freq(64, base=1e4))  # ramp 0: none interpolated
+        long = yarn_inv_freq(4, base=2.0, factor=8.0, original_max_positions=10**6, truncate=truncate)
+        torch.testing.assert_close(long, rope_inv_freq(4, base=2.0) / 8, rtol=1e-7, atol=0)  # ramp 1: all
+
+
 def test_yarn_with_equal_betas_is_a_step():
     """beta_fast == beta_slow (Kimi K2's 1 and 1: D 64, base 50000, L 4096): low and high are
     d(1) = 19.16 rounded down and up, so frequencies j <= 19 are kept and j >= 20 divided by
@@ -380,8 +400,8 @@ def test_yarn_with_equal_betas_is_a_step():
 
 
 def test_yarn_without_truncation():
-    """gpt-oss (truncate: false): the fractional bounds d(beta_fast), d(beta_slow), clamped to
-    0 .. D - 1 all the same; gpt-oss's own (D 64, base 150000, L 4096): (8.09, 17.40)."""
+    """gpt-oss (truncate: false): the fractional bounds d(beta_fast), d(beta_slow), low clamped
+    at 0 and high at D - 1 all the same; gpt-oss's own (D 64, base 150000, L 4096): (8.09, 17.40)."""
     def d(dim, base, L, r):
         return dim * math.log(L / (2 * math.pi * r)) / (2 * math.log(base))
 
