@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GPU_TEST_TAIL = 60  # lines of the pytest output kept
+MAX_TIMEOUT = 7 * 24 * 3600  # a week, far beyond any benchmark: subprocess cannot wait inf or 1e10 s (OverflowError)
 
 
 def benchmarks() -> list[str]:
@@ -113,7 +114,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.strip().split("\n\n")[0].split()))
     parser.add_argument("--smoke", action="store_true", help="each benchmark's --smoke mode (CPU, tiny shapes; times are not performance numbers)")
     parser.add_argument("--only", default=None, help="comma-separated benchmark names (bench_routing,...) instead of all")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each benchmark may run (default 600)")
+    parser.add_argument("--timeout", type=float, default=600.0, help=f"seconds each benchmark may run (default 600, at most {MAX_TIMEOUT}: a week)")
     parser.add_argument("--gpu-tests", action="store_true", help="run `pytest -q -m gpu` first and record its summary")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the Markdown file appended to (default benchmarks/RESULTS.md)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out",
@@ -131,8 +132,8 @@ def main(argv: list[str]) -> int:
     unknown = [n for n in chosen if n not in names]
     if unknown:
         parser.error(f"--only: unknown benchmarks {unknown}; expected some of {', '.join(names)}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout:g}")
+    if not 0 < args.timeout <= MAX_TIMEOUT:  # nan too
+        parser.error(f"--timeout: expected a positive number of seconds, at most {MAX_TIMEOUT} (a week), got {args.timeout:g}")
     if args.results.is_dir():
         parser.error(f"--results: expected a file to append to, got the directory {str(args.results)!r}")
     try:

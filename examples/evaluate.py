@@ -31,7 +31,9 @@ for a model whose unsharded weights, divided by tp and ep x etp, fit on each dev
 --choices FILE scores multiple-choice questions instead (a JSON Lines file, read_choices):
 each choice's log-probability given its context (choice_logprobs: one document per context
 and choice in the packed forward of model.logits; not under --cp), printed as the accuracy
-and the length-normalised accuracy (score_choices); --questions N takes the first N.
+and the length-normalised accuracy (score_choices); --questions N takes the first N. The
+questions are the data: --data, --split, --val_percent, --batches and --whole_documents
+with --choices stop with an error.
 
     python examples/evaluate.py out/train_moe --choices=questions.jsonl --json
 
@@ -297,7 +299,7 @@ def main(argv: list[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory or checkpoint, or a Hugging Face folder")
     parser.add_argument("--data", default=None, help="a blend spec (default: the run's data; needed for an HF folder)")
-    parser.add_argument("--split", default="val", choices=("val", "train", "all"))
+    parser.add_argument("--split", default=None, choices=("val", "train", "all"), help="the documents measured (default val)")
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
     parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches if not 0, else 16; 0: all)")
@@ -320,10 +322,10 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
         if args.tokens_per_micro_batch is not None and args.tokens_per_micro_batch < 1:
             raise ValueError(f"--tokens_per_micro_batch: expected >= 1 (leave it out for the run's), got {args.tokens_per_micro_batch}")
-        given = [knob for knob, value in (("--data", args.data), ("--batches", args.batches), ("--whole_documents", args.whole_documents))
-                 if value is not None]
+        given = [knob for knob, value in (("--data", args.data), ("--split", args.split), ("--val_percent", args.val_percent),
+                                          ("--batches", args.batches), ("--whole_documents", args.whole_documents)) if value is not None]
         if args.choices is not None and given:
-            raise ValueError(f"--choices: the questions are the data; {', '.join(given)} do not apply")
+            raise ValueError(f"--choices: the questions are the data; {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
         if args.choices is None and args.questions:
             raise ValueError("--questions: counts the questions of --choices, which is not given")
         if args.choices is not None and args.cp > 1:
@@ -343,6 +345,7 @@ def main(argv: list[str]) -> None:
     tokens = args.tokens_per_micro_batch if args.tokens_per_micro_batch is not None else loop.get("tokens_per_micro_batch", 2048)
     if args.choices is not None:
         return choices_main(args, model, run, tokens=tokens, device=device, meshes=meshes)
+    args.split = args.split or "val"
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
     try:

@@ -21,14 +21,18 @@ examples/generate.py loads them). The config:
   text_config (fmoe.hf.written_config), with a note;
 - a model of fmoe's own needs --model_type, one of fmoe.hf.FAMILIES, and gets a config built
   from its knobs (fmoe.hf.hf_config; a knob the family has no field for is an error naming
-  it). It speaks fmoe's bytes: no tokenizer is written.
+  it). A byte run speaks fmoe's bytes: no tokenizer is written. A run on prepared token
+  files (fmoe.train.prepare) speaks the tokenizer their index names: that tokenizer.json is
+  copied as the folder's, with the tokenizer_config.json, special_tokens_map.json and
+  chat_template.jinja beside it (its special tokens and chat template), when it is here
+  (run_tokenizer_files); else it is left out, with a note.
 The run's capacity_factor is a training-time drop, not part of the model: the export has
 none. The run's MTP modules are exported as the layers after the trunk's where the family stores
 them so (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash), each with its own output norm (a module
 on the trunk's final norm, mtp_norm=False, with a copy of it); other families' are left out,
 with a note. --dtype: the weights' dtype (default: the
-folder's config, float32 for a model of fmoe's own). --max_shard_gb: the largest
-safetensors file (default 5).
+folder's config, float32 for a model of fmoe's own). --max_shard_gb: the tensor bytes of
+each safetensors shard, its header aside, as transformers' max_shard_size (default 5).
 
 Under torchrun the model may be larger than one process's memory: each rank builds it on
 the meta device, parallelized over --tp, --ep and --etp (the rest of the world sharding it
@@ -36,7 +40,8 @@ with FSDP2), reads only its own shards of the checkpoint (generate.load_sharded)
 weights are gathered one at a time while rank 0 writes the shards (fmoe.hf.save_pretrained):
 the files of one process, byte for byte.
 
-Printed: the folder, its files and their total size, and what was left out.
+Printed: the folder, its files and their total size, the files copied beside the weights
+(the HF folder's, the tokenizer), and what was left out.
 """
 
 from __future__ import annotations
@@ -53,11 +58,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, start_ranks  # noqa: E402
+from generate import _byte_run, _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, start_ranks  # noqa: E402
 
 import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import TransformerConfig  # noqa: E402
+from fmoe.train.chat import CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG  # noqa: E402
 from fmoe.train.run import ArgumentParser, run_path, run_script  # noqa: E402
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -128,6 +134,22 @@ def copy_folder_files(source: Path, out: Path) -> list[str]:
     return names
 
 
+def run_tokenizer_files(run: dict) -> tuple[list[Path], str]:
+    """(files, note) of the tokenizer a run of fmoe's own speaks: for a run on prepared token
+    files, the tokenizer.json every source's index names (generate.named_tokenizer) and the
+    tokenizer_config.json, special_tokens_map.json and chat_template.jinja beside it, and no
+    note; ([], why it is left out) where there is none here; ([], "") for a byte run, which
+    speaks fmoe's bytes."""
+    if _byte_run(run):
+        return [], ""
+    found, why = named_tokenizer(run)
+    if found is None:
+        return [], f"the tokenizer: {why}; no tokenizer written"
+    tokenizer = found[0]
+    beside = [tokenizer.parent / name for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_FILE)]
+    return [tokenizer, *(f for f in beside if f.is_file())], ""
+
+
 def main(argv: list[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory, or a checkpoint inside one")
@@ -135,7 +157,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--model_type", default="", help=f"for a model of fmoe's own: one of {', '.join(fmoe.hf.FAMILIES)}")
     parser.add_argument("--hf_config", default="", help="an HF folder whose config and tokenizer to use (default: the run's --init_from_hf)")
     parser.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="the weights' dtype")
-    parser.add_argument("--max_shard_gb", type=float, default=5.0, help="the largest safetensors file, in GB (10^9 bytes)")
+    parser.add_argument("--max_shard_gb", type=float, default=5.0, help="the most tensor bytes of one safetensors shard, in GB (10^9 bytes; "
+                                                                          "its header aside, as transformers' max_shard_size)")
     parser.add_argument("--device", default="cpu", help="under torchrun: cpu or cuda (each rank its LOCAL_RANK's GPU)")
     axes = add_parallel_knobs(parser)
     args = parser.parse_args(argv)
@@ -182,11 +205,18 @@ def main(argv: list[str]) -> None:
     fmoe.hf.save_pretrained(model, out, max_shard_bytes=max_shard_bytes)
     if rank == 0:
         copied = copy_folder_files(source, out) if source is not None else []
+        tokenizer_files, note = run_tokenizer_files(run) if source is None else ([], "")
+        for file in tokenizer_files:  # the tokenizer.json may have another name: the folder's is tokenizer.json
+            shutil.copy2(file, out / ("tokenizer.json" if file == tokenizer_files[0] else file.name))
+        if note:
+            notes.append(note)
         files = sorted(f for f in out.iterdir() if f.is_file())
         print(f"{out}: {hf['model_type']}, {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB "
               f"(weights in {str(fmoe.hf.config_dtype(hf)).removeprefix('torch.')})")
         if copied:
             print(f"copied from {source}: {', '.join(copied)}")
+        if tokenizer_files:
+            print(f"copied the tokenizer the data's index names: {', '.join(map(str, tokenizer_files))}")
         for note in notes:
             print(f"left out: {note}")
     if meshes is not None:

@@ -130,23 +130,32 @@ def _byte_run(run: dict) -> bool:
     return bool(byte_tokens)
 
 
-def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
-    """(tokenizer.json, separator) of a run on prepared token files: the ones every data
+def named_tokenizer(run: dict) -> tuple[Optional[tuple[Path, int]], str]:
+    """((tokenizer.json, separator), "") of a run on prepared token files: the ones every data
     source's index names (fmoe.train.prepare), when that tokenizer file is here; else
-    (None, None): a source without an index (.npy, a bare token file), sources that name
-    different tokenizers, or a tokenizer moved away."""
+    (None, why not): a source without an index (.npy, a bare token file), sources that name
+    different tokenizers or separators, or a tokenizer moved away."""
     from fmoe.train.data import read_index
 
     named = set()
     for source in _data_sources(run):
         index = read_index(source["path"]) if source["path"] and Path(source["path"]).is_file() else None
         if not index or not isinstance(index.get("tokenizer"), str):
-            return None, None
+            return None, f"the data source {source['path']!r} has no index naming a tokenizer (fmoe.train.prepare writes one)"
         named.add((index["tokenizer"], index["separator"]))
-    if len(named) != 1 or not Path(next(iter(named))[0]).is_file():
-        return None, None
+    if len(named) != 1:
+        return None, f"the data's indexes name different tokenizers or separators: {sorted(named)}"
     tokenizer, separator = named.pop()
-    return Path(tokenizer), separator
+    if not Path(tokenizer).is_file():
+        return None, f"the tokenizer the data's index names, {tokenizer!r}, is not here"
+    return (Path(tokenizer), separator), ""
+
+
+def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
+    """(tokenizer.json, separator) of a run on prepared token files (named_tokenizer), else
+    (None, None)."""
+    found, _ = named_tokenizer(run)
+    return found if found is not None else (None, None)
 
 
 def tokenizer_file(path: Path, run: dict) -> Optional[Path]:

@@ -171,10 +171,20 @@ def test_run_all_refuses_unknown_benchmarks_and_bad_timeouts(tmp_path):
     bad = _run_all(tmp_path, "--only", "bench_routing,bench_nothing")
     assert bad.returncode == 2 and "--only: unknown benchmarks ['bench_nothing']" in bad.stderr
     bad = _run_all(tmp_path, "--timeout", "0")
-    assert bad.returncode == 2 and "--timeout: expected a positive number of seconds, got 0" in bad.stderr
+    assert bad.returncode == 2 and "--timeout: expected a positive number of seconds, at most 604800 (a week), got 0" in bad.stderr
     for empty in ("", ","):  # an unset shell variable: not every benchmark
         bad = _run_all(tmp_path, f"--only={empty}")
         assert bad.returncode == 2 and f"--only: expected comma-separated benchmark names, got {empty!r}" in bad.stderr
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_run_all_refuses_a_timeout_it_cannot_wait_for_before_writing(tmp_path):
+    """subprocess cannot wait inf or 1e10 seconds (OverflowError, once the section header was
+    appended): refused with the others, nothing written."""
+    for timeout, shown in (("inf", "inf"), ("1e10", "1e+10"), ("nan", "nan"), ("604801", "604801")):
+        bad = _run_all(tmp_path, "--only", "bench_rope", f"--timeout={timeout}")
+        assert bad.returncode == 2, bad.stderr[-2000:]
+        assert f"--timeout: expected a positive number of seconds, at most 604800 (a week), got {shown}" in bad.stderr, bad.stderr[-2000:]
     assert not (tmp_path / "RESULTS.md").exists()
 
 

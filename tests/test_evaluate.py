@@ -333,6 +333,9 @@ BAD_CHOICES = [
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--questions=-1"], "--questions: expected >= 0"),
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--cp=2"], "--cp: choices are scored with model.logits"),
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--data=x", "--batches=2"], "--choices: the questions are the data; --data, --batches do not apply"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--split=all", "--val_percent=50"],
+     "--choices: the questions are the data; --split, --val_percent do not apply"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--split=val"], "--choices: the questions are the data; --split does not apply"),
     ([dict(context="a", choices=["b" * 200, "c"], answer=0)], ["--tokens_per_micro_batch=128"],
      "--tokens_per_micro_batch: a continuation of 200 tokens needs more than 128"),
 ]

@@ -122,6 +122,39 @@ def test_a_run_of_fmoe_s_own_exports_in_shards_with_its_mtp_layer(own_run, tmp_p
         assert torch.equal(t, want[name]), name
 
 
+def test_a_run_on_prepared_token_files_exports_the_tokenizer_their_index_names(own_run, tmp_path, capsys):
+    """A run on fmoe.train.prepare's token files speaks the tokenizer their index names: the
+    export gets it as its tokenizer.json, with the tokenizer_config.json beside it, and says
+    so; a tokenizer moved away is printed as left out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fmoe.train.prepare import prepare
+
+    (tmp_path / "tok").mkdir()
+    tok = Tokenizer(models.WordLevel(vocab={"w0": 0, "w1": 1, "[UNK]": 2, "<|endoftext|>": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tok" / "words.json"))  # any name: the folder's is tokenizer.json
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}\n')
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("w0 w1 w1")
+    prepare(tmp_path / "docs", tmp_path / "data.u16", tokenizer=tmp_path / "tok" / "words.json", progress=False)
+    run = shutil.copytree(own_run, tmp_path / "run")  # its config.json made a run on that data's: the export reads no data
+    config = json.loads((run / "config.json").read_text())
+    config.update(byte_tokens=False, data_sources=[dict(name="data.u16", weight=1.0, path=str(tmp_path / "data.u16"))])
+    (run / "config.json").write_text(json.dumps(config))
+    export_hf.main([str(run), str(tmp_path / "out"), "--model_type=glm4_moe"])
+    printed = capsys.readouterr().out
+    assert f"copied the tokenizer the data's index names: {tmp_path / 'tok' / 'words.json'}, {tmp_path / 'tok' / 'tokenizer_config.json'}" in printed
+    assert "left out" not in printed, printed
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (tmp_path / "tok" / "words.json").read_text()
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == (tmp_path / "tok" / "tokenizer_config.json").read_text()
+    (tmp_path / "tok" / "words.json").unlink()
+    export_hf.main([str(run), str(tmp_path / "gone"), "--model_type=glm4_moe"])
+    printed = capsys.readouterr().out
+    assert f"left out: the tokenizer: the tokenizer the data's index names, '{tmp_path / 'tok' / 'words.json'}', is not here; no tokenizer written" in printed
+    assert not (tmp_path / "gone" / "tokenizer.json").exists() and "copied" not in printed, printed
+
+
 def test_two_ranks_write_the_one_process_files(own_run, tmp_path):
     one = _export(own_run, tmp_path / "one", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}")
     assert one.returncode == 0, one.stderr[-3000:]
