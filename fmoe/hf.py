@@ -248,8 +248,8 @@ files bit-identical to the originals (`from_pretrained` keeps the HF config on t
 `model.hf_config`); a model of fmoe's own is written with `model_type=` one of FAMILIES
 and a config built from its TransformerConfig. The export is streamed: one parameter at
 a time is gathered and converted, and rank 0 writes shards of at most max_shard_bytes
-(with model.safetensors.index.json), so a model sharded over many devices is written
-without any rank holding it whole.
+of tensors (with model.safetensors.index.json), so a model sharded over many devices is
+written without any rank holding it whole.
 """
 
 from __future__ import annotations
@@ -295,16 +295,31 @@ def _rope(hf: dict) -> dict:
     """RoPE of the Llama-like families: plain (rope_theta), with Llama 3.1's scaling
     (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings), or YaRN as their attention applies it (rope_type
-    "yarn": Qwen2.5's and Qwen3's long context; _llama_yarn)."""
+    "yarn": Qwen2.5's and Qwen3's long context; _llama_yarn). Without
+    original_max_position_embeddings the scaled types read it as transformers does
+    (_original_max_positions)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if params.get("rope_type", params.get("type")) == "yarn":
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in ("default", "llama3", "yarn"):
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE, llama3 or yarn)")
+    if rope_type == "yarn":
         return _llama_yarn(hf)
-    rope_type, params, out = _rope_params(hf, "llama3", ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
+    rope_type, params, out = _rope_params(hf, "llama3", ("factor", "low_freq_factor", "high_freq_factor"))
     if rope_type == "default":
         return out
     return dict(out, llama3_factor=float(params["factor"]), llama3_low_freq_factor=float(params["low_freq_factor"]),
-                llama3_high_freq_factor=float(params["high_freq_factor"]),
-                llama3_original_max_positions=int(params["original_max_position_embeddings"]))
+                llama3_high_freq_factor=float(params["high_freq_factor"]), llama3_original_max_positions=_original_max_positions(hf, params))
+
+
+def _original_max_positions(hf: dict, params: dict) -> int:
+    """The context a scaled RoPE (llama3, yarn) was pretrained over, as transformers reads it:
+    a top-level original_max_position_embeddings, else rope_parameters', else
+    max_position_embeddings."""
+    positions = _get(hf, "original_max_position_embeddings", default=params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    if positions is None:
+        raise ValueError(f"config.json: rope_parameters of rope type {params.get('rope_type', params.get('type'))!r} lack "
+                         "original_max_position_embeddings (nor is max_position_embeddings set)")
+    return int(positions)
 
 
 def _refuse(hf: dict, field: str, ok: Callable[[object], bool], what: str) -> None:
@@ -315,7 +330,8 @@ def _refuse(hf: dict, field: str, ok: Callable[[object], bool], what: str) -> No
 def _sliding(hf: dict) -> dict:
     """The sliding window of Mixtral, Qwen2-MoE and Qwen3-MoE: sliding_window W (with
     use_sliding_window where the family has it) in every layer, or in the layers that
-    layer_types names "sliding_attention" (Qwen2-MoE); a query sees keys > its index - W."""
+    layer_types names "sliding_attention" (Qwen2-MoE; a config.json without layer_types gets
+    them from its family first, e.g. _max_window_layers); a query sees keys > its index - W."""
     kinds = hf.get("layer_types")
     window = hf.get("sliding_window")
     if kinds is not None:
@@ -330,6 +346,18 @@ def _sliding(hf: dict) -> dict:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"config.json: sliding_window = {window!r} is not supported (a positive width for the sliding layers)")
     return dict(window=window, window_layers=None if len(layers) == hf["num_hidden_layers"] else layers)
+
+
+def _max_window_layers(hf: dict, slides: Callable[[int, int], bool]) -> dict:
+    """config.json with the layer_types transformers derives where it has none (Qwen2's,
+    Qwen3's and Qwen2-MoE's as transformers 4.x wrote them): layer i slides where
+    use_sliding_window (false by default) and a sliding_window are set and
+    slides(i, max_window_layers) (max_window_layers 28 by default), the others full."""
+    if hf.get("layer_types") is not None:
+        return hf
+    on = bool(hf.get("use_sliding_window", False)) and hf.get("sliding_window") is not None
+    first = hf.get("max_window_layers", 28)
+    return dict(hf, layer_types=["sliding_attention" if on and slides(i, first) else "full_attention" for i in range(hf["num_hidden_layers"])])
 
 
 def _common(hf: dict, n_experts: int, *, sliding: bool = False) -> dict:
@@ -752,7 +780,8 @@ def _llama_yarn(hf: dict, default_base: float = 10000.0) -> dict:
     where the two are equal, or by 0.1 ln(factor) + 1 without them; the softmax scale stays
     1 / sqrt(head_dim) (DeepSeek's attention also scales it: _yarn). An unequal pair is
     refused (fmoe ties it to the softmax scale)."""
-    _, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), default_base)
+    _, params, _ = _rope_params(hf, "yarn", ("factor",), default_base)
+    params["original_max_position_embeddings"] = _original_max_positions(hf, params)
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if bool(mscale) != bool(mscale_all_dim) or (mscale and mscale != mscale_all_dim):
         raise ValueError(f"config.json: rope_parameters with mscale {mscale!r} and mscale_all_dim {mscale_all_dim!r} are not supported "
@@ -774,12 +803,16 @@ def _query_temperature(hf: dict) -> dict:
 
 
 def _qwen2(hf: dict) -> dict:
-    return _dense(hf, sliding=True, qkv_bias=True)  # Qwen2's q, k and v always have biases, o none
+    """Qwen2 (qwen2, dense): Llama's blocks with q/k/v biases (o none); the window in the layers
+    layer_types names, by default those from max_window_layers on (_max_window_layers)."""
+    return _dense(_max_window_layers(hf, lambda i, first: i >= first), sliding=True, qkv_bias=True)
 
 
 def _qwen3(hf: dict) -> dict:
+    """Qwen3 (qwen3, dense): Llama's blocks with per-head q/k norms; the window in the layers
+    layer_types names, by default those from max_window_layers on (_max_window_layers)."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Qwen3's attention here")
-    return _dense(hf, sliding=True, qk_norm="head")
+    return _dense(_max_window_layers(hf, lambda i, first: i >= first), sliding=True, qk_norm="head")
 
 
 def _olmo2(hf: dict, name: str = "OLMo 2", **extra) -> dict:
@@ -1584,6 +1617,10 @@ def _qwen_moe_layers(hf: dict) -> tuple[int, ...]:
 
 
 def _qwen2_moe(hf: dict) -> dict:
+    """Qwen2-MoE: MoE blocks by decoder_sparse_step and mlp_only_layers (_qwen_moe_layers) with a
+    gated shared expert; the window in the layers layer_types names, by default every other
+    one from layer 0 below max_window_layers (_max_window_layers)."""
+    hf = _max_window_layers(hf, lambda i, first: (i + 1) % 2 != 0 and i < first)
     shared = hf.get("shared_expert_intermediate_size") or 0
     return dict(_common(hf, hf["num_experts"], sliding=True), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
                 moe_layers=_qwen_moe_layers(hf), n_shared=0, shared_ffn=shared, shared_gate=bool(shared),
@@ -6035,7 +6072,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(_granite_swa_fields(cfg))
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
-                  swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
+                  swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, layer_types=_layer_types(cfg),
+                  # transformers builds the sliding mask in every forward: a width is written even where no layer uses it
+                  sliding_window=cfg.window or 128)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
     elif model_type == "llama4_text":
@@ -6353,8 +6392,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
             hf.pop("rms_norm_eps")
             hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)
-        elif model_type in ("ministral", "cwm"):  # each layer's window or none
-            hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
+        elif model_type in ("ministral", "cwm"):  # each layer's window or none; a width written even where no layer uses it (gpt_oss's)
+            hf.update(sliding_window=cfg.window or (4096 if model_type == "ministral" else 8192), layer_types=_layer_types(cfg))
         elif model_type == "ministral3":
             hf.update(sliding_window=cfg.window, rope_parameters=_ministral3_rope(cfg))
         elif model_type in ("olmo2", "hunyuan_v1_dense"):
@@ -6660,8 +6699,9 @@ def _new_file_mode() -> int:
 
 class _ShardWriter:
     """Complete checkpoint tensors in, safetensors shards out: a shard is written once the
-    next tensor would take it past max_bytes (a tensor larger than that is a shard alone),
-    under a temporary name until the number of shards is known. An export that fails
+    next tensor would take its tensors' bytes (the file's header not counted) past
+    max_bytes (a tensor larger than that is a shard alone), under a temporary name until the
+    number of shards is known. An export that fails
     removes its files (abort), renamed or not; a killed one leaves them for the next export
     of the folder to remove."""
 
@@ -6829,8 +6869,10 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     from_pretrained, else hf_config(cfg, model_type)) and the weights in the checkpoint's
     layout (module docstring): model.safetensors, or shards of at most max_shard_bytes
     (model-00001-of-0000N.safetensors, ..., with model.safetensors.index.json) when they do
-    not fit one. Earlier weight files in `path` are replaced. A loaded config's count of MTP
-    modules (num_nextn_predict_layers; Qwen3-Next's mtp_num_hidden_layers) is set to the
+    not fit one. max_shard_bytes counts the tensors' bytes alone, as transformers'
+    max_shard_size does: a file is larger by its safetensors header (and a tensor larger
+    than the limit is a shard of its own). Earlier weight files in `path` are replaced. A
+    loaded config's count of MTP modules (num_nextn_predict_layers; Qwen3-Next's mtp_num_hidden_layers) is set to the
     model's MTP depth, unless the model has the depths its folder held (model.hf_mtp_depth):
     then it stays as loaded (transformers writes DeepSeek-V3's default 1 beside no MTP layer).
 

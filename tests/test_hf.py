@@ -1062,6 +1062,64 @@ def test_sliding_window_models_give_transformers_logits_and_export_back(family, 
             hf.save_pretrained(part, tmp_path / "part", model_type=family)
 
 
+# transformers 4.x wrote no layer_types: transformers derives them from max_window_layers (Qwen2 and Qwen3: the layers from it
+# on slide; Qwen2-MoE: every other one from layer 0 below it)
+MAX_WINDOW_LAYERS = {
+    "qwen2": (lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40, use_sliding_window=True, sliding_window=3, max_window_layers=1), (1, 2)),
+    "qwen3": (lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40, use_sliding_window=True, sliding_window=3,
+                                               max_window_layers=1), (1, 2)),
+    "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=16,
+                                                      num_experts=4, num_experts_per_tok=2, use_sliding_window=True, sliding_window=3,
+                                                      max_window_layers=2), (0,)),
+}
+
+
+@pytest.mark.parametrize("family", list(MAX_WINDOW_LAYERS))
+def test_a_qwen_config_without_layer_types_slides_the_layers_max_window_layers_names(family, tmp_path):
+    """A config.json without layer_types (as transformers 4.x wrote Qwen2's, Qwen3's and
+    Qwen2-MoE's) slid every layer; transformers slides those max_window_layers names, and
+    reads max_window_layers and use_sliding_window left out as 28 and false."""
+    torch.manual_seed(0)
+    make, layers = MAX_WINDOW_LAYERS[family]
+    _randomised(transformers.AutoModelForCausalLM.from_config(make())).save_pretrained(tmp_path / "hf")
+    folder = _edit(tmp_path / "hf", tmp_path / "4.x", lambda c: c.pop("layer_types"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert [i for i, kind in enumerate(ref.config.layer_types) if kind == "sliding_attention"] == list(layers)
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert (cfg.window, cfg.window_layers) == (3, layers)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+    config = json.loads((folder / "config.json").read_text())
+    for field in ("max_window_layers", "use_sliding_window"):
+        left = {k: v for k, v in config.items() if k != field}
+        theirs = type(ref.config).from_dict(left).layer_types
+        ours = TransformerConfig(**hf.FAMILIES[family].kwargs(left))
+        assert [i for i in range(ours.n_layers) if ours.is_sliding(i)] == [i for i, kind in enumerate(theirs) if kind == "sliding_attention"]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "ministral", "cwm"])
+def test_a_model_without_a_window_exports_as_a_windowed_family_with_every_layer_full(family, tmp_path):
+    """A model of fmoe's own without a sliding layer, written as gpt_oss, ministral or cwm: its
+    config.json had sliding_window null, which transformers refuses (cwm) or fails on in the
+    forward (gpt_oss, ministral); a width is written, unused, beside layer_types all full."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert cfg.window is None
+    del model.hf_config  # written from its TransformerConfig
+    hf.save_pretrained(model, tmp_path / "fmoe", model_type=family)
+    written = json.loads((tmp_path / "fmoe" / "config.json").read_text())
+    assert isinstance(written["sliding_window"], int) and written["layer_types"] == ["full_attention"] * 3
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fmoe", dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(_their_logits(back, docs), _their_logits(ref, docs)) < 1e-5
+
+
 LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 
 
@@ -1127,6 +1185,29 @@ def test_yarn_of_llama_like_families_gives_transformers_logits_and_exports_back(
     with pytest.raises(ValueError, match=f"config.json: rope_parameters with mscale 1.0 and mscale_all_dim 0.5 are not supported for {family} "
                                          r"\(both equal, or neither\)"):
         hf.from_pretrained(_edit(tmp_path / "hf", tmp_path / "bad", lambda c: c["rope_parameters"].update(mscale=1.0, mscale_all_dim=0.5)))
+
+
+@pytest.mark.parametrize("rope", [YARN, LLAMA3], ids=["yarn", "llama3"])
+def test_scaled_rope_without_original_max_position_embeddings_reads_max_position_embeddings(rope, tmp_path):
+    """rope_parameters of type yarn or llama3 without original_max_position_embeddings (YaRN's
+    were refused): transformers reads max_position_embeddings in its place. A rope type Llama
+    does not take is refused naming the ones it does."""
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    config.rope_parameters = dict(rope)
+    _randomised(transformers.AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "hf")
+    folder = _edit(tmp_path / "hf", tmp_path / "short", lambda c: c["rope_parameters"].pop("original_max_position_embeddings"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert (cfg.yarn_original_max_positions if rope is YARN else cfg.llama3_original_max_positions) == COMMON["max_position_embeddings"]
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        plain, _ = hf.from_pretrained(folder, impl="torch", **{"yarn_factor" if rope is YARN else "llama3_factor": None})  # the scaling matters here
+        assert _rel(plain.logits(ids, cu), theirs) > 1e-3
+    with pytest.raises(ValueError, match=r"config.json: rope type 'dynamic' is not supported for llama \(plain RoPE, llama3 or yarn\)"):
+        hf.from_pretrained(_edit(folder, tmp_path / "dynamic", lambda c: c["rope_parameters"].update(rope_type="dynamic")))
 
 
 def test_config_mapping_reads_the_family_fields(folders, tmp_path):
