@@ -188,7 +188,7 @@ def cases():
     # DeepSeek sparse attention at one tp rank of DeepSeek-V3.2 (16 heads, rows of 512 latent + 64 rotated channels,
     # bf16): the forward, dq, and the keys' gradients (fmoe.ops.sparse_attention)
     meta = sparse._blocks(16, 576, 512)
-    attn_scalars = dict(N="i32", J="i32", scale="fp32", stride_qt="i32", stride_qn="i32", stride_kv="i32", stride_it="i32")
+    attn_scalars = dict(N="i32", J="i32", S="i32", scale="fp32", stride_qt="i32", stride_qn="i32", stride_kv="i32", stride_it="i32")
     yield "sparse_attention_fwd", sparse._sparse_attention_fwd_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", o_ptr="*bf16",
                                                                          lse_ptr="*fp32"), dict(attn_scalars, stride_ot="i32", stride_on="i32"), meta
     yield "sparse_attention_dq", sparse._sparse_attention_dq_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16",

@@ -2499,7 +2499,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     elif train_index:
         with torch.no_grad():  # the attention's distribution over each query's chosen keys, summed over its heads
             if kernel:
-                target_TJ = sparse_attention_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), impl=cfg.impl)
+                target_TJ = sparse_attention_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False,
+                                                   impl=cfg.impl)
             else:  # the reference's probabilities, for blocks of queries (never [N, T, S] at once, as _attention_with_sinks)
                 T, block = q_NTD.shape[1], _query_block(q_NTD.shape[0], k_GTD.shape[1])
                 target_TJ = torch.cat([_attention_probs(q_NTD[:, t0:t0 + block], k_GTD, mask[t0:t0 + block], softmax_scale(cfg)).sum(0)
@@ -2716,7 +2717,7 @@ def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS, cfg:
     if target:
         with torch.no_grad():  # each chosen entry's probability summed over the heads, the sinks in the denominator
             lse = lse_TN.detach() if sinks_N is None else torch.logaddexp(lse_TN.detach(), sinks_N.detach().float())
-            p_TJ = sparse_attention_probs(q_TND.detach(), kv_SD.detach(), slots_TJ, lse, scale=softmax_scale(cfg), impl=cfg.impl)
+            p_TJ = sparse_attention_probs(q_TND.detach(), kv_SD.detach(), slots_TJ, lse, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
             target_TJ = p_TJ[:, key_slots.shape[1]:]
     return rearrange(o_TND, "t n d -> n t d"), target_TJ
 
@@ -3211,7 +3212,7 @@ def _blocks_target_by_kernel(q_NTD, k_GSD, v_GSD, slots_GTJ, lse_TN, cfg: Attent
     out = []
     for g in range(G):
         p_TJ = sparse_attention_probs(*_kernel_operands(q_NTD, k_GSD, v_GSD, g), slots_GTJ[g], lse_TN[:, g * r:(g + 1) * r].contiguous(),
-                                      v_dim=v_GSD.shape[-1], scale=softmax_scale(cfg), impl=cfg.impl)
+                                      v_dim=v_GSD.shape[-1], scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         out.append(p_TJ.view(p_TJ.shape[0], -1, cfg.index_block_size).sum(-1))
     return torch.stack(out)
 

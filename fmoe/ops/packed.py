@@ -84,7 +84,8 @@ def roll_packed_ref(x, cu_seqlens, shift, dim, fill):
     T = x.shape[dim]
     start_T, end_T = _seq_start_end_ref(cu_seqlens.to(x.device), T)
     src_T = torch.arange(T, device=x.device) - shift
-    valid_T = (src_T >= start_T) & (src_T < end_T)
+    # within [0, T) too: unchecked cu_seqlens (check=False) may bound a sequence outside x
+    valid_T = (src_T >= start_T) & (src_T < end_T) & (src_T >= 0) & (src_T < T)
     rolled = x.index_select(dim, src_T.clamp(0, max(T - 1, 0)))
     bcast = [1] * x.ndim
     bcast[dim] = T
@@ -124,7 +125,8 @@ def _roll_packed_kernel(
     start_T = tl.load(cu_ptr + lo_T).to(tl.int32)
     end_T = tl.load(cu_ptr + hi_T).to(tl.int32)
     src_T = t_T - shift
-    valid_T = t_ok_T & (src_T >= start_T) & (src_T < end_T)
+    # within [0, T) too: unchecked cu_seqlens may bound a sequence outside x (never read there)
+    valid_T = t_ok_T & (src_T >= start_T) & (src_T < end_T) & (src_T >= 0) & (src_T < T)
 
     fill = tl.load(fill_ptr).to(out_ptr.dtype.element_ty)
     slice_off = o.to(tl.int64) * T * INNER
@@ -254,7 +256,8 @@ def roll_packed(
         shift: any int. dim: the token dim, negative counts from the end.
         fill: a number, cast to x's dtype (floats to ints truncate; it must fit).
         check: raise a ValueError unless cu_seqlens' values are as above (one device->host
-            sync; skipped under torch.compile).
+            sync; skipped under torch.compile). Unchecked values are trusted, except that
+            no token reads outside x: one whose t - shift lies outside 0 .. T-1 gets fill.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:

@@ -5,13 +5,13 @@ each token's [latent, rotated key] and the latent is also the value.
 
     sparse_attention(q [T, N, D], kv [S, D], index [T, J] int, *, v_dim=None, scale=None,
                      check=True, impl="auto") -> (o [T, N, Dv], lse [T, N] float32)
-    sparse_attention_probs(q, kv, index, lse, *, v_dim=None, scale=None, impl="auto")
+    sparse_attention_probs(q, kv, index, lse, *, v_dim=None, scale=None, check=True, impl="auto")
         -> p [T, J] float32: each slot's probability summed over the heads (no gradient)
     indexer_scores(q [T, N, D], w [T, N], k [S, D], *, scale=None, impl="auto")
         -> [T, S] float32: the lightning indexer's scores (no gradient)
 
 For query t and head n, over the J slots of index[t] that hold a key (index[t, j] in
-0 .. S-1; -1 marks an empty slot):
+0 .. S-1; -1 marks an empty slot, as does any other value that check=False lets through):
 
     s_tnj  = scale q_tn . kv_{index[t, j]}                    (all D channels: the key)
     lse_tn = log sum_j exp(s_tnj)                             (-inf when no slot holds a key)
@@ -79,17 +79,22 @@ from fmoe.ops.checks import check_float, check_index, checking
 # ----------------------------------------------------------------------------------------
 
 
+def _holds_key(index: torch.Tensor, S: int) -> torch.Tensor:
+    """[T, J] bool: the slots that hold a key, index in 0 .. S-1 (any other value: empty)."""
+    return (index >= 0) & (index < S)
+
+
 def _slot_rows(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[T, J, D] float32: each slot's row of kv, zeros in an empty slot. The empty slots read
     a row of zeros appended to kv, so that there is a row to read when kv has none (S = 0)."""
     S, D = kv.shape
     kv_pad = torch.cat([kv.float(), kv.new_zeros((1, D), dtype=torch.float32)])
-    return kv_pad[torch.where(index >= 0, index.long(), S)]
+    return kv_pad[torch.where(_holds_key(index, S), index.long(), S)]
 
 
 def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, v_dim: int, scale: float):
     """(o [T, N, Dv] in q's dtype, lse [T, N] float32): every slot's row gathered, float32."""
-    valid_TJ = index >= 0
+    valid_TJ = _holds_key(index, kv.shape[0])
     rows_TJD = _slot_rows(kv, index)
     s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), rows_TJD) * scale
     s_TNJ = s_TNJ.masked_fill(~valid_TJ[:, None, :], float("-inf"))
@@ -111,7 +116,7 @@ def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor
     """[T, J] float32: each slot's probability summed over the heads (0 in an empty slot)."""
     s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), _slot_rows(kv, index)) * scale
     lse_TN1 = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
-    return torch.where(index[:, None, :] >= 0, torch.exp(s_TNJ - lse_TN1), 0.0).sum(1)
+    return torch.where(_holds_key(index, kv.shape[0])[:, None, :], torch.exp(s_TNJ - lse_TN1), 0.0).sum(1)
 
 
 def _indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -141,14 +146,15 @@ def _heads(ptr, t, offs_n, N, offs, lo, width, stride_t, stride_n):
 
 
 @triton.jit
-def _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV: tl.constexpr, DR: tl.constexpr,
+def _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, S, stride_it, stride_kv, DV: tl.constexpr, DR: tl.constexpr,
                 BLOCK_J: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
-    """Query t's slots j0 .. j0 + BLOCK_J: which hold a key [BJ], their rows' value channels
-    [BJ, BDV] and the rest [BJ, BDR], and the heads' scores q . k [BN, BJ] (float32, unscaled)."""
+    """Query t's slots j0 .. j0 + BLOCK_J: which hold a key [BJ] (index in 0 .. S-1: no row
+    outside kv is read), their rows' value channels [BJ, BDV] and the rest [BJ, BDR], and the
+    heads' scores q . k [BN, BJ] (float32, unscaled)."""
     offs_j = j0 + tl.arange(0, BLOCK_J)
     offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
     idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < S)
     k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
     s = ieee_dot(q_v, tl.trans(k_v))
     if DR > 0:  # rows of the value channels alone (DeepSeek-V4's: the keys are the values) read and multiply nothing more
@@ -160,7 +166,7 @@ def _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV:
 
 
 @triton.jit
-def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J, scale,
+def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J, S, scale,
                                  stride_qt, stride_qn, stride_kv, stride_it, stride_ot, stride_on,
                                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
                                  BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
@@ -173,7 +179,7 @@ def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J,
     l = tl.zeros((BLOCK_N,), tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for j0 in range(0, J, BLOCK_J):
-        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
+        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, S, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -211,7 +217,7 @@ def _backward_program(q_ptr, do_ptr, lse_ptr, delta_ptr, N, stride_qt, stride_qn
 
 
 @triton.jit
-def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, N, J, scale,
+def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, N, J, S, scale,
                                 stride_qt, stride_qn, stride_kv, stride_it, stride_dot, stride_don,
                                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
                                 BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
@@ -220,7 +226,7 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
     dq_v = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dq_r = tl.zeros((BLOCK_N, BLOCK_DR), tl.float32)
     for j0 in range(0, J, BLOCK_J):
-        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
+        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, S, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         dp = ieee_dot(do, tl.trans(k_v))
         ds = p * (dp - delta[:, None])
@@ -234,16 +240,17 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
 
 
 @triton.jit
-def _sparse_attention_dkv_atomic_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dkv_ptr, N, J, scale,
+def _sparse_attention_dkv_atomic_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dkv_ptr, N, J, S, scale,
                                         stride_qt, stride_qn, stride_kv, stride_it, stride_dot, stride_don, stride_dkv,
                                         DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
                                         BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
     """Query t and a block of heads: each slot block's key gradients, summed over the heads
-    by tensor-core products ([BJ, BN] x [BN, D]), added to dkv (float32) by atomics."""
+    by tensor-core products ([BJ, BN] x [BN, D]), added to dkv (float32) by atomics (the rows
+    of the slots holding a key alone: nothing is added outside dkv)."""
     t, offs_n, mask_n, offs_v, offs_r, q_v, q_r, do, lse, delta = _backward_program(
         q_ptr, do_ptr, lse_ptr, delta_ptr, N, stride_qt, stride_qn, stride_dot, stride_don, DV, DR, BLOCK_N, BLOCK_DV, BLOCK_DR)
     for j0 in range(0, J, BLOCK_J):
-        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
+        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, S, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         p = tl.where(valid[None, :] & mask_n[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
         ds = p * (ieee_dot(do, tl.trans(k_v)) - delta[:, None]) * scale
         ds_t = tl.trans(ds).to(q_v.dtype)
@@ -293,7 +300,7 @@ def _sparse_attention_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, slot
 
 
 @triton.jit
-def _sparse_attention_probs_kernel(q_ptr, kv_ptr, index_ptr, lse_ptr, p_ptr, N, J, scale, stride_qt, stride_qn, stride_kv, stride_it,
+def _sparse_attention_probs_kernel(q_ptr, kv_ptr, index_ptr, lse_ptr, p_ptr, N, J, S, scale, stride_qt, stride_qn, stride_kv, stride_it,
                                    DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
                                    BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
     """Query t: each slot's probability summed over the heads, p [T, J] float32."""
@@ -308,7 +315,7 @@ def _sparse_attention_probs_kernel(q_ptr, kv_ptr, index_ptr, lse_ptr, p_ptr, N, 
             q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
             lse = tl.load(lse_ptr + t * N + offs_n, mask=mask_n, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse)
-            valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
+            valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, S, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
             total += tl.sum(tl.where(valid[None, :] & mask_n[:, None], tl.exp(s * scale - lse[:, None]), 0.0), 0)
         offs_j = j0 + tl.arange(0, BLOCK_J)
         tl.store(p_ptr + t * J + offs_j, total, mask=offs_j < J)
@@ -370,7 +377,8 @@ def _sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     lse = q.new_empty((T, N), dtype=torch.float32)
     meta = _blocks(N, D, v_dim)
     _sparse_attention_fwd_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
-        q, kv, index, o, lse, N, index.shape[1], scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0), o.stride(0), o.stride(1), **meta)
+        q, kv, index, o, lse, N, index.shape[1], kv.shape[0], scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
+        o.stride(0), o.stride(1), **meta)
     return o, lse
 
 
@@ -389,17 +397,17 @@ def _sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     meta = _blocks(N, D, v_dim)
     dq = torch.empty_like(q)
     _sparse_attention_dq_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
-        q, kv, index, grad_o, lse, delta, dq, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
+        q, kv, index, grad_o, lse, delta, dq, N, J, S, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
         grad_o.stride(0), grad_o.stride(1), **meta)
     if not torch.are_deterministic_algorithms_enabled():
         dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
         _sparse_attention_dkv_atomic_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
-            q, kv, index, grad_o, lse, delta, dkv, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
+            q, kv, index, grad_o, lse, delta, dkv, N, J, S, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
             grad_o.stride(0), grad_o.stride(1), dkv.stride(0), **_dkv_atomic_blocks(N, D, v_dim))
         return dq, dkv.to(kv.dtype)
     # deterministic: the slots by key (empty ones last), key s's at slots[offsets[s]:offsets[s + 1]]
     key = index.reshape(-1).long()
-    key = torch.where(key >= 0, key, S)
+    key = torch.where((key >= 0) & (key < S), key, S)
     slots = torch.argsort(key, stable=True)
     offsets = torch.searchsorted(key[slots], torch.arange(S + 1, device=key.device))
     dkv = torch.empty_like(kv)
@@ -421,7 +429,8 @@ def _sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tens
     J = index.shape[1]
     p = q.new_empty((T, J), dtype=torch.float32)
     meta = _blocks(N, D, v_dim)
-    _sparse_attention_probs_kernel[(T,)](q, kv, index, lse, p, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0), **meta)
+    _sparse_attention_probs_kernel[(T,)](q, kv, index, lse, p, N, J, kv.shape[0], scale, q.stride(0), q.stride(1), kv.stride(0),
+                                         index.stride(0), **meta)
     return p
 
 
@@ -485,6 +494,15 @@ def _check_inputs(q, kv, index) -> tuple[int, int, int]:
     return T, N, D
 
 
+def _check_keys(index: torch.Tensor, S: int, check: bool) -> None:
+    """index's values in -1 .. S-1 (one device->host sync), where checking(check)."""
+    if checking(check) and index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < -1 or hi >= S:
+            raise ValueError(f"index: expected keys in 0 .. S-1 = {S - 1} or -1 (an empty slot), got values in {lo} .. {hi} "
+                             "(pass check=False to skip this check)")
+
+
 def _check_dims(D: int, v_dim, scale) -> tuple[int, float]:
     """(v_dim, scale) with their defaults (D, 1 / sqrt(D)), checked."""
     v_dim = D if v_dim is None else v_dim
@@ -508,7 +526,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, *, 
             slots, -1 in an empty slot; values in -1 .. S-1 (read on the host with check=True).
         v_dim: Dv, the value channels (default D).
         scale: the scores' factor (default 1 / sqrt(D)).
-        check: read index on the host to check its values (one sync); False skips it.
+        check: read index on the host to check its values (one sync; skipped under
+            torch.compile); False skips it. An unchecked value outside -1 .. S-1 marks an
+            empty slot, as -1 does, in every impl: no row outside kv is read or written.
         impl: "auto" (Triton on CUDA, the reference otherwise), "triton" or "torch".
     Returns:
         (o [T, N, Dv] in q's dtype, lse [T, N] float32), both differentiable; a query whose
@@ -516,30 +536,29 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, *, 
     """
     T, N, D = _check_inputs(q, kv, index)
     v_dim, scale = _check_dims(D, v_dim, scale)
-    if checking(check) and index.numel():
-        lo, hi = int(index.min()), int(index.max())
-        if lo < -1 or hi >= kv.shape[0]:
-            raise ValueError(f"index: expected keys in 0 .. S-1 = {kv.shape[0] - 1} or -1 (an empty slot), got values in {lo} .. {hi} "
-                             "(pass check=False to skip this check)")
+    _check_keys(index, kv.shape[0], check)
     if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
         return _sparse_attention_ref(q, kv, index, v_dim, scale)
     return _sparse_attention_fwd(q.contiguous(), kv.contiguous(), index.contiguous(), v_dim, scale)
 
 
 def sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, lse: torch.Tensor, *, v_dim: Optional[int] = None,
-                           scale: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
+                           scale: Optional[float] = None, check: bool = True, impl: str = "auto") -> torch.Tensor:
     """The attention probability of each slot's key summed over the heads, [T, J] float32
     (0 in an empty slot; each row sums to N where the query has keys), from sparse_attention's
     q, kv, index and its lse [T, N]; no gradient (DeepSeek sparse attention's indexer loss
     takes it as its target: fmoe.layers.attention). scale: sparse_attention's (default
     1 / sqrt(D)); v_dim: only how the kernel splits each row's channels, as sparse_attention
-    does (default D). The kernel recomputes the scores a query's slots at a time: no [T, N, J]
-    tensor; impl as sparse_attention's (the reference gathers [T, J, D])."""
+    does (default D); check: sparse_attention's (index's values in -1 .. S-1, one sync; an
+    unchecked value outside them is an empty slot, p = 0). The kernel recomputes the scores a
+    query's slots at a time: no [T, N, J] tensor; impl as sparse_attention's (the reference
+    gathers [T, J, D])."""
     T, N, D = _check_inputs(q, kv, index)
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (T, N):
         raise ValueError(f"lse: expected sparse_attention's float32 [{T}, {N}], got {getattr(lse, 'dtype', type(lse).__name__)} "
                          f"{list(getattr(lse, 'shape', []))}")
     v_dim, scale = _check_dims(D, v_dim, scale)
+    _check_keys(index, kv.shape[0], check)
     with torch.no_grad():
         if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
             return _sparse_attention_probs_ref(q, kv, index, lse, scale)

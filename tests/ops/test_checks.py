@@ -126,6 +126,12 @@ CASES = {
         bad=lambda: F.sparse_attention(torch.randn(2, 2, 8), torch.randn(5, 8), torch.tensor([[0, 5], [1, -1]])),
         match=r"index: expected keys in 0 \.\. S-1 = 4 or -1",
     ),
+    "sparse_attention_probs": Case(
+        run=lambda check: F.sparse_attention_probs(torch.randn(T, 2, 8), torch.randn(5, 8), torch.randint(-1, 5, (T, 3)),
+                                                   torch.randn(T, 2), v_dim=4, check=check),
+        bad=lambda: F.sparse_attention_probs(torch.randn(2, 2, 8), torch.randn(5, 8), torch.tensor([[0, 5], [1, -1]]), torch.randn(2, 2)),
+        match=r"index: expected keys in 0 \.\. S-1 = 4 or -1",
+    ),
     "mtp_targets": Case(
         run=lambda check: F.mtp_targets(torch.randint(0, 50, (T,)), _cu(), 2, check=check),
         bad=lambda: F.mtp_targets(torch.randint(0, 50, (T,)), torch.tensor([0, 5, T - 1]), 2),
@@ -172,7 +178,7 @@ def test_check_false_reads_nothing_on_the_host(name):
     with HostReads() as reads:
         n_diff = _forward_backward(CASES[name], check=False)
     assert reads.count == 0, reads.sites
-    assert n_diff > 0 or name in ("positions_from_cu_seqlens", "mtp_targets")  # integer outputs only
+    assert n_diff > 0 or name in ("positions_from_cu_seqlens", "mtp_targets", "sparse_attention_probs")  # no gradient
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -145,6 +145,36 @@ def test_gradient_is_the_opposite_roll(layout, dtype, shift, device):
     assert torch.equal(grads["torch"], expected)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("cu", [[0, 5, 20], [-4, 5, 11]], ids=["ends past T", "starts below 0"])
+@pytest.mark.parametrize("shift", [-2, 1])
+def test_unchecked_cu_seqlens_never_read_outside_x(cu, shift, impl, device):
+    """check=False trusts cu_seqlens, but a sequence bound past x (cu[-1] > T, cu[0] < 0)
+    gives fill where t - shift leaves 0 .. T-1, in the forward and in the backward (which
+    reads the upstream gradient by the opposite shift). x and the gradient are the middle
+    rows of buffers holding 99 around them: a read outside them would fetch 99."""
+    T = 11
+    x_buf = torch.full((T + 8, 3), 99.0, device=device)
+    x_buf[4:4 + T] = torch.arange(T, dtype=torch.float32, device=device)[:, None] + 1
+    g_buf = torch.full((T + 8, 3), 99.0, device=device)
+    g_buf[4:4 + T] = -torch.arange(T, dtype=torch.float32, device=device)[:, None] - 1
+    x, g = x_buf[4:4 + T].requires_grad_(), g_buf[4:4 + T]
+    cu_t = torch.tensor(cu, device=device)
+    out = roll_packed(x, cu_t, shift=shift, fill=-7.0, check=False, impl=impl)
+    (dx,) = torch.autograd.grad(out, x, g)
+
+    def rolled(v, shift, fill):  # the definition, source also inside 0 .. T-1
+        want = torch.full_like(v, fill)
+        for t in range(T):
+            j = max(i for i in range(len(cu) - 1) if cu[i] <= t)
+            if max(cu[j], 0) <= t - shift < min(cu[j + 1], T):
+                want[t] = v[t - shift]
+        return want
+
+    assert torch.equal(out, rolled(x.detach(), shift, -7.0))
+    assert torch.equal(dx, rolled(g, -shift, 0.0))
+
+
 def test_positions():
     assert positions_from_cu_seqlens(torch.tensor([0, 3, 7, 10])).tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
     pos = positions_from_cu_seqlens(torch.tensor([0, 0, 2, 2, 3, 3], dtype=torch.int32), n_tokens=3)

@@ -225,6 +225,40 @@ def test_bad_inputs():
     # check=False reads no value on the host: tests/ops/test_checks.py
 
 
+@pytest.mark.parametrize("impl,deterministic", [("torch", False), ("triton", False), ("triton", True)],
+                         ids=["torch", "triton", "triton-deterministic"])
+def test_unchecked_keys_outside_kv_are_empty_slots(impl, deterministic, device):
+    """check=False: an index value outside -1 .. S-1 (S, S + 3, -5) is an empty slot, as -1
+    is: o, lse, dq, dkv and the slots' probabilities are those of the index with -1 there, and
+    no row outside kv is read (kv is the first S rows of a buffer whose next rows hold 3: a
+    read of them would change the scores) or written (dkv, by atomics or by key)."""
+    from fmoe.ops import sparse_attention_probs
+
+    T, N, D, S = 4, 2, 8, 5
+    q, _, index = _inputs(T, N, D, S, 3, device=device, empty=0.0)
+    buf = torch.full((S + 8, D), 3.0, device=device)
+    buf[:S] = torch.randn(S, D, device=device)
+    kv = buf[:S].requires_grad_()
+    q.requires_grad_()
+    index[0, 1], index[2, 0], index[3, 2] = S, S + 3, -5
+    masked = torch.where((index >= 0) & (index < S), index, -1)
+    go = torch.randn(T, N, D, device=device)
+    got = []
+    for idx, check in ((index, False), (masked, True)):
+        with _deterministic(deterministic):
+            o, lse = sparse_attention(q, kv, idx, scale=0.5, check=check, impl=impl)
+            finite = torch.isfinite(lse)
+            grads = torch.autograd.grad((o * go).sum() + torch.where(finite, lse, 0.0).sum(), [q, kv])
+        p = sparse_attention_probs(q, kv, idx, lse.detach(), scale=0.5, check=check, impl=impl)
+        got.append((o, torch.where(finite, lse, 0.0), *grads, p))
+    for name, have, want in zip(("o", "lse", "dq", "dkv", "probs"), *got):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert float(got[0][-1][masked < 0].abs().max()) == 0.0
+    # checked (the default), sparse_attention_probs reads the index's values as sparse_attention does
+    with pytest.raises(ValueError, match=r"index: expected keys in 0 .. S-1 = 4 or -1 \(an empty slot\), got values in -5 .. 8"):
+        sparse_attention_probs(q, kv, index, got[1][1], scale=0.5, impl=impl)
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_at_deepseek_v32_shapes():
     """bf16 at DeepSeek-V3.2's absorbed shapes (one tp rank's 16 heads of 576 = 512 + 64
