@@ -2939,11 +2939,15 @@ class Transformer(nn.Module):
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"input_ids: expected ids in 0..{self.cfg.vocab_size - 1} (vocab_size), got {lo}..{hi}")
         cu_seqlens = torch.as_tensor(cu_seqlens)
-        if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
+        if (cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or not cu_seqlens.numel()
+                or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0):
             raise ValueError(f"cu_seqlens: expected 0, ..., T = {input_ids.shape[0]} for input_ids [T], got {cu_seqlens.tolist()}")
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
+        elif not isinstance(positions, torch.Tensor) or positions.shape != input_ids.shape:
+            got = list(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ValueError(f"positions: expected [T] = [{input_ids.shape[0]}], one per token of input_ids, got {got}")
         ctx = attention_context(cu_seqlens, positions, self.cfg.context_config())
         h_TH = self._trunk_input(input_ids, positions)
         for block in self.blocks:

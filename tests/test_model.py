@@ -2232,6 +2232,11 @@ def test_released_model_knobs_build_what_they_say():
         model.logits(batch["input_ids"], torch.tensor([0, 23]))
     with pytest.raises(ValueError, match=r"cu_seqlens: expected 0, ..., T = 24 .*got \[0.0, 4.69\d*, 24.0\]"):  # 4.7 was cut to 4
         model.logits(batch["input_ids"], torch.tensor([0.0, 4.7, 24.0]))
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected 0, ..., T = 24 .*got \[\]"):  # empty: not an IndexError
+        model.logits(batch["input_ids"], torch.tensor([], dtype=torch.int32))
+    for bad, got in ((torch.arange(23), r"\[23\]"), (torch.arange(24).view(4, 6), r"\[4, 6\]"), ([0] * 24, "list")):
+        with pytest.raises(ValueError, match=rf"positions: expected \[T\] = \[24\], one per token of input_ids, got {got}"):
+            model.logits(batch["input_ids"], batch["cu_seqlens"], bad)
     torch.testing.assert_close(model.logits(batch["input_ids"], [0, 24]), model.logits(batch["input_ids"], torch.tensor([0, 24])))  # a list
     # the token ids themselves, named as input_ids (not an IndexError inside the embedding)
     ids = batch["input_ids"]
