@@ -202,7 +202,12 @@ def flops_per_token(
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
     for name, value in args.items():
-        _check_count(name, value)
+        _check_count(name, value, 1 if name in ("hidden", "vocab") else 0)
+        # sizes and counts of a model are whole; k may be a mean (of a routing that picks fewer: model_flops_per_token)
+        if name in ("hidden", "n_layers", "n_dense", "n_heads", "n_kv_heads", "head_dim", "vocab", "mtp_depth", "n_experts") and value != int(value):
+            raise ValueError(f"{name}: expected a whole number, got {value!r}")
+    if n_experts and k > n_experts:
+        raise ValueError(f"k: expected at most n_experts = {n_experts} experts chosen per token, got {k}")
     _check_count("n_sliding", n_sliding)
     _check_count("n_linear", n_linear)
     _check_count("n_mlp_only", n_mlp_only)
@@ -613,6 +618,8 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     near 1 is balanced, E/k means one expert takes every token. `eta` is
     record["eta_seconds"]."""
     _check_count("total_steps", total_steps, 1)
+    if not isinstance(record, dict):
+        raise ValueError(f"record: expected a dict of the step's metrics, got {type(record).__name__}")
     done = min(max(step / total_steps, 0.0), 1.0)
     filled = int(done * width)
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total_steps}"]

@@ -80,6 +80,17 @@ def test_flops_bad_inputs():
         M.flops_per_token(**CFG, attention_weights=-5)
     with pytest.raises(ValueError, match="v_dim: expected a finite number >= 1, got -5"):
         M.flops_per_token(**CFG, v_dim=-5)
+    # a model that cannot be, counted before: more experts chosen than there are, no hidden channel, half a channel
+    with pytest.raises(ValueError, match="k: expected at most n_experts = 4 experts chosen per token, got 5"):
+        M.flops_per_token(**dict(CFG, k=5), n_experts=4)
+    with pytest.raises(ValueError, match="hidden: expected a finite number >= 1, got 0"):
+        M.flops_per_token(**dict(CFG, hidden=0))
+    for name in ("hidden", "n_heads", "vocab"):
+        with pytest.raises(ValueError, match=f"{name}: expected a whole number, got 32.5"):
+            M.flops_per_token(**dict(CFG, **{name: 32.5}))
+    with pytest.raises(ValueError, match="n_experts: expected a whole number, got 2.5"):
+        M.flops_per_token(**CFG, n_experts=2.5)
+    assert M.flops_per_token(**dict(CFG, k=1.5), n_experts=8) > 0  # a mean k (a routing that may pick fewer) is taken
     from fmoe.layers import LinearAttentionConfig
 
     lin = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6)
@@ -252,6 +263,8 @@ def test_progress_line():
     assert M.format_progress(1, 10, {"load_max_over_mean": [None, float("inf")]}) == "[##..................] step 1/10"
     with pytest.raises(ValueError, match="total_steps: expected a finite number >= 1, got 0"):
         M.format_progress(1, 0, {})
+    with pytest.raises(ValueError, match="record: expected a dict of the step's metrics, got NoneType"):  # an AttributeError before
+        M.format_progress(1, 10, None)
 
 
 def test_progress_line_picks_the_unit_of_the_rounded_value():
