@@ -244,7 +244,8 @@ def dispatch(
     Args:
         x_perm: [R, H] rows grouped by global expert (fmoe.ops.permute with align = 1):
             the first counts_E.sum() rows are sent, the rest (dropped slots) are not.
-        counts_E: [E] int64 rows of each global expert (plan.counts).
+        counts_E: [E] int64 rows of each global expert (plan.counts), >= 0, adding up to at
+            most R. Counts refused on one rank are a ValueError on every rank of the exchange.
         ep_mesh, etp_mesh: 1-D meshes of the ep and etp axes (None or size 1: off).
     Returns:
         x_local: [N, H] the rows of this rank's L = E/ep experts from every rank of its
@@ -264,8 +265,11 @@ def dispatch(
         raise ValueError(f"counts_E: expected E = {E} experts divisible by ep = {S}")
     L, R, H = E // S, x_perm.shape[0], x_perm.shape[1]
 
-    # recv[s, l]: rows of our local expert l that ep rank s sends us
-    counts_SL = counts_E.view(S, L)
+    # recv[s, l]: rows of our local expert l that ep rank s sends us; beside them (column L) whether rank s's own
+    # counts_E are refused (negative, or more rows than its x_perm), so that every rank of the exchange raises together
+    # at the host read below instead of its peers waiting in the next all-to-all for a rank that raised alone
+    refused = ((counts_E < 0).any() | (counts_E.sum() > R)).to(torch.int64)
+    counts_SL = torch.cat([counts_E.view(S, L), refused.expand(S, 1)], 1)
     recv_SL = counts_SL
     if ep_group is not None:
         recv_SL = torch.empty_like(counts_SL)
@@ -275,17 +279,23 @@ def dispatch(
         parts = [torch.empty_like(recv_SL) for _ in range(Q)]
         dist.all_gather(parts, recv_SL.contiguous(), group=etp_group)  # (torch 2.11 has no funcol.all_gather_single)
         recv_QSL = torch.stack(parts)
+    recv_QSL, refused_QS = recv_QSL[..., :L].contiguous(), recv_QSL[..., L]
 
     # the one host sync: the all-to-alls take their split sizes as Python ints
-    host = torch.cat([counts_E, recv_QSL.reshape(-1)]).tolist()
+    host = torch.cat([counts_E, recv_QSL.reshape(-1), refused_QS.reshape(-1)]).tolist()
     sent_E, recv_QS = host[:E], [sum(host[E + i * L : E + (i + 1) * L]) for i in range(Q * S)]
+    if min(sent_E) < 0:
+        raise ValueError(f"counts_E: expected row counts >= 0, got {sent_E}")
+    if sum(sent_E) > R:
+        raise ValueError(f"counts_E: they add up to {sum(sent_E)} rows, more than x_perm's {R}")
+    if any(host[E + Q * S * L:]):
+        raise ValueError("counts_E: another rank's were refused (negative, or more rows than its x_perm): every rank of "
+                         "the exchange stops with it")
     send_splits = tuple(sum(sent_E[s * L : (s + 1) * L]) for s in range(S))
     q = _group_rank(etp_group)
     recv_splits = tuple(recv_QS[q * S : (q + 1) * S])
     etp_splits = tuple(sum(recv_QS[i * S : (i + 1) * S]) for i in range(Q))
     n_sent, n_recv, n = sum(send_splits), sum(recv_splits), sum(etp_splits)
-    if n_sent > R:
-        raise ValueError(f"counts_E: they add up to {n_sent} rows, more than x_perm's {R}")
 
     x_recv = x_perm[:n_sent]
     if ep_group is not None:

@@ -251,6 +251,10 @@ def parallelize(
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
+    # a pipeline chunk without MoE blocks may be one stage of a model with them: only a whole model is told
+    if not moe_blocks and meshes.ep * meshes.etp > 1 and getattr(model, "pipeline_chunk", None) is None:
+        raise ValueError(f"meshes: ep / etp: expert parallelism ({meshes.ep} x {meshes.etp}) needs a model with experts, and this one "
+                         "has no MoE block (build the meshes with has_experts=False)")
     if meshes.cp > 1:
         if not hasattr(model, "context_parallel"):
             raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")

@@ -335,6 +335,13 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
     capped = dataclasses.replace(cfg, capacity_factor=1.0)
     expect(r"^x:.*max_tokens", lambda: run(local, capped, ExpertParallel(meshes.axis("ep"), max_tokens=4)), "T > max_tokens")
     expect(r"counts_E", lambda: dispatch(x, torch.zeros(3, dtype=torch.int64), ep_mesh=meshes.axis("ep")), "counts of 3 experts")
+    # counts refused on one rank only: its peer raises with it (it waited in the rows' exchange before), negative ones
+    # are named (a RuntimeError of repeat_interleave on one rank before, the other returning)
+    over = torch.full((E,), 1 if rank == 0 else 0, dtype=torch.int64)  # 8 rows of x's 5 on rank 0, none on rank 1
+    expect(r"counts_E: they add up to 8 rows, more than x_perm's 5" if rank == 0 else r"counts_E: another rank's were refused",
+           lambda: dispatch(x, over, ep_mesh=meshes.axis("ep")), "more rows than x on rank 0")
+    negative = torch.tensor([-1, 3, 1, 1, 0, 0, 0, 0])
+    expect(r"counts_E: expected row counts >= 0, got \[-1, 3", lambda: dispatch(x, negative, ep_mesh=meshes.axis("ep")), "a negative count")
     expect(r"x_ECH", lambda: dispatch_padded(torch.zeros(3, 2, H), ep_mesh=meshes.axis("ep")), "3 experts over ep = 2")
     expect(r"x_ECH", lambda: dispatch_padded(torch.zeros(E * 2, H), ep_mesh=meshes.axis("ep")), "a 2-D buffer")
     _, meta = dispatch_padded(torch.zeros(E, 2, H), ep_mesh=meshes.axis("ep"))  # on every rank: a valid meta
@@ -378,6 +385,14 @@ def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
         except ValueError as e:
             if message not in str(e):
                 fails.append(f"parallelize: {e}")
+    # ep = 2 over a model without a MoE block: refused (it ran as plain data parallelism before, the ep asked for unused)
+    dense = Transformer(dataclasses.replace(cfg, n_dense=1))
+    try:
+        parallelize(dense, meshes)
+        fails.append("parallelize took ep = 2 for a model without MoE blocks")
+    except ValueError as e:
+        if "meshes: ep / etp: expert parallelism (2 x 1) needs a model with experts, and this one has no MoE block" not in str(e):
+            fails.append(f"parallelize of a dense model: {e}")
     parallelize(model, meshes, max_tokens=12)
     try:
         parallelize(model, meshes)
