@@ -89,7 +89,7 @@ class Config:
     val_percent: int = 5            # validation documents, split by file name
     whole_documents: bool = False   # a document that does not fit the rest of a micro-batch starts the next (the rest
                                     # padding, never routed), not cut: for prompt/response data (no response without its prompt)
-    tokens_per_micro_batch: int = 1024
+    tokens_per_micro_batch: int = 1024  # tokens of one micro-batch: documents packed (and cut) to this length
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
     # losses
     mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
@@ -104,7 +104,7 @@ class Config:
     optimizer: str = "adamw"        # adamw | muon (Muon for matrices, AdamW for the rest)
     adamw_state_dtype: str = "float32"  # AdamW's moments: float32 | bfloat16 (half the memory)
     ns_dtype: str = "bfloat16"      # Muon's Newton-Schulz dtype (float32: bit-comparable runs)
-    lr: float = 3e-3
+    lr: float = 3e-3                # the peak learning rate, after the warmup
     min_lr: float = -1.0            # the floor the schedule decays to; -1: a tenth of --lr
     init_lr: float = 0.0            # the warmup starts here
     warmup: int = -1                # steps; -1: 20, or a tenth of a shorter run
@@ -117,15 +117,15 @@ class Config:
     decay_embeddings: bool = True   # ...and the embedding and output head by this knob
     clip: float = 1.0               # the gradients' max norm (inf: no clipping)
     # run
-    steps: int = 250
+    steps: int = 250                # optimizer steps of the whole run
     stop_at: int = 0                # stop after this step (a time-limited job); 0: run to --steps
     stop_after_minutes: float = 0.0  # stop, with a checkpoint, after the first step that ends this long after the start
                                     # (a job's wall-clock limit less a step, a checkpoint and a margin); 0: no limit
     stop_signals: str = "SIGTERM,SIGUSR1"  # these signals stop the run after its step, with a checkpoint (a scheduler's
                                     # preemption or limit; a second one acts as usual); "": none
-    seed: int = 0
-    out_dir: str = "out/train_moe"
-    resume: bool = False
+    seed: int = 0                   # the model's initialisation and the data's order
+    out_dir: str = "out/train_moe"  # config.json, metrics.jsonl and the step_N checkpoints
+    resume: bool = False            # continue the run in out_dir from its newest checkpoint
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
                                     # and weights; only the --model.* knobs of how it runs and trains apply (mtp_depth,
@@ -136,10 +136,10 @@ class Config:
     upcycle_drop: float = 0.0       # Drop-Upcycling: this fraction of each expert's channels drawn afresh (0: the exact start)
     train_only: str = ""            # a regex: only the parameters whose names it matches train, the others stay frozen
                                     # ('' : all train); e.g. '[.]index_' trains DeepSeek sparse attention's indexers alone
-    ckpt_every: int = 100
+    ckpt_every: int = 100           # a checkpoint every this many steps, and always after the last
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
-    eval_every: int = 50
+    eval_every: int = 50            # validation every this many steps, and always at the last
     eval_batches: int = 4           # validation micro-batches (0: no validation, no document held out: a corpus of a few files)
     tensorboard: bool = False       # also TensorBoard event files in out_dir/tensorboard (pip install 'fmoe[tensorboard]')
     check_replicas_every: int = 100  # compare a hash of the parameters across the ranks that hold copies (0: never)
@@ -280,6 +280,11 @@ def parse_args(argv: list[str]) -> Config:
         sys.exit(f"{knob}: shapes --lr_style=wsd's final decay; this run's --lr_style is {cfg.lr_style}")
     if cfg.init_lr > 0 and cfg.warmup == 0:
         sys.exit(f"--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr={cfg.init_lr})")
+    defaults = Config()  # knobs set away from their default where they can have no effect: refused, not ignored
+    if cfg.ns_dtype != defaults.ns_dtype and cfg.optimizer != "muon":
+        sys.exit(f"--ns_dtype: Muon's Newton-Schulz dtype; this run's --optimizer is {cfg.optimizer}")
+    if not cfg.out_dir.strip():  # "" would write the run into the current directory
+        sys.exit(f"--out_dir: expected a directory for the run, got {cfg.out_dir!r}")
     if cfg.min_lr > cfg.lr:
         sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {cfg.min_lr}")
     if not cfg.clip > 0:
@@ -462,7 +467,16 @@ def main(argv: list[str]) -> None:
     if not released and corpus.byte_tokens and cfg.model.vocab_size != corpus.vocab_size:  # it would be the corpus's, silently
         sys.exit(f"--model.vocab_size={cfg.model.vocab_size}: byte data has a vocabulary of {corpus.vocab_size} (256 bytes, the "
                  "separator and padding), which the model takes; leave the knob out (it sizes token files' vocabularies)")
+    if corpus.byte_tokens and (cfg.data_dtype or cfg.separator >= 0):  # token files' knobs: bytes have their own separator
+        knob = f"--data_dtype={cfg.data_dtype}" if cfg.data_dtype else f"--separator={cfg.separator}"
+        sys.exit(f"{knob}: applies to token files; this run's data is bytes (text files or the embedded corpus)")
     model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size if released else corpus.vocab_size)
+    defaults = Config()
+    if cfg.mtp_lambda != defaults.mtp_lambda and model_cfg.mtp_depth == 0:
+        sys.exit(f"--mtp_lambda: weighs the MTP losses; --model.mtp_depth=0 has none (got --mtp_lambda={cfg.mtp_lambda})")
+    if not model_cfg.expert_bias and (cfg.bias_rate != defaults.bias_rate or cfg.bias_update != defaults.bias_update):
+        knob = "--bias_rate" if cfg.bias_rate != defaults.bias_rate else "--bias_update"
+        sys.exit(f"{knob}: steps the routers' expert bias; this model has none (--model.expert_bias=false)")
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())

@@ -379,6 +379,14 @@ BAD_KNOBS = [
     (["--wsd_decay=3"], "--wsd_decay: shapes --lr_style=wsd's final decay; this run's --lr_style is cosine"),  # no effect without a word
     (["--lr_style=linear", "--wsd_style=cosine"], "--wsd_style: shapes --lr_style=wsd's final decay; this run's --lr_style is linear"),
     (["--warmup=0", "--init_lr=1e-4"], "--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr=0.0001)"),
+    # knobs of features the run lacks: no effect without a word before
+    (["--model.mtp_depth=0", "--mtp_lambda=0.5"], "--mtp_lambda: weighs the MTP losses; --model.mtp_depth=0 has none (got --mtp_lambda=0.5)"),
+    (["--ns_dtype=float32"], "--ns_dtype: Muon's Newton-Schulz dtype; this run's --optimizer is adamw"),
+    (["--model.expert_bias=false", "--bias_rate=0.1"], "--bias_rate: steps the routers' expert bias; this model has none (--model.expert_bias=false)"),
+    (["--model.expert_bias=false", "--bias_update=sign"], "--bias_update: steps the routers' expert bias; this model has none"),
+    (["--data_dtype=uint16"], "--data_dtype=uint16: applies to token files; this run's data is bytes (text files or the embedded corpus)"),
+    (["--separator=7"], "--separator=7: applies to token files; this run's data is bytes"),
+    (["--out_dir="], "--out_dir: expected a directory for the run, got ''"),  # the current directory took the run before
     (["--tokens_per_micro_batch=2"], "--tokens_per_micro_batch: expected at least --model.mtp_depth + 2 = 3 (a token and the 2 after it"),
     (["--z_coeff=inf"], "--z_coeff: expected a finite number, got inf"),
     (["--mtp_lambda=-0.1"], "--mtp_lambda: expected a number >= 0, got -0.1"),

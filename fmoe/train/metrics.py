@@ -44,8 +44,10 @@ block (only their heads were counted). Still not counted: norms, embeddings (loo
 the shared-expert gate (6 H per MoE layer), softmax, RoPE and other elementwise work.
 
 Metric records (one JSON object per line of `<out_dir>/metrics.jsonl`): step, and what the
-loop passes: loss, lm_loss, lr, tokens, grad_norm, tokens_per_s, val_loss, seq_aux_loss,
-aux_loss, z_loss, mtp_<d>_loss (each MTP depth d's: mtp_1_loss, ...), mfu, loss_tokens and
+loop passes: loss, lm_loss, lr, tokens, grad_norm, tokens_per_s (the step's tokens over its
+wall-clock time, which on a step that evaluates includes the evaluation; mfu likewise),
+val_loss, seq_aux_loss, aux_loss, z_loss, mtp_<d>_loss (each MTP depth d's: mtp_1_loss,
+...), mfu, loss_tokens and
 padding_tokens (of the step's tokens, those whose label counts and those that are
 --whole_documents padding), ... and, per MoE layer (lists in layer order, see layer_loads):
 tokens_per_expert [L][E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
