@@ -377,29 +377,23 @@ def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
     model.load_state_dict(whole.state_dict())
     fails = []
     meshes = build_meshes(ep=2)
-    for args, message in (((model, meshes.dense), "meshes: expected fmoe.parallel.build_meshes(...)'s Meshes, got DeviceMesh"),
-                          ((model, meshes), "max_tokens: expected >= 1, got 0")):
+    def refused(fn, message, what):
         try:
-            parallelize(*args, max_tokens=0)
-            fails.append(f"parallelize took {args[1]!r}, max_tokens=0")
+            fn()
+            fails.append(f"{what}: accepted")
         except ValueError as e:
             if message not in str(e):
-                fails.append(f"parallelize: {e}")
+                fails.append(f"{what}: {e}")
+
+    refused(lambda: parallelize(model, meshes.dense, max_tokens=0), "meshes: expected fmoe.parallel.build_meshes(...)'s Meshes, got DeviceMesh",
+            "parallelize over a DeviceMesh")
+    refused(lambda: parallelize(model, meshes, max_tokens=0), "max_tokens: expected >= 1, got 0", "parallelize with max_tokens=0")
     # ep = 2 over a model without a MoE block: refused (it ran as plain data parallelism before, the ep asked for unused)
     dense = Transformer(dataclasses.replace(cfg, n_dense=1))
-    try:
-        parallelize(dense, meshes)
-        fails.append("parallelize took ep = 2 for a model without MoE blocks")
-    except ValueError as e:
-        if "meshes: ep / etp: expert parallelism (2 x 1) needs a model with experts, and this one has no MoE block" not in str(e):
-            fails.append(f"parallelize of a dense model: {e}")
+    refused(lambda: parallelize(dense, meshes), "meshes: ep / etp: expert parallelism (2 x 1) needs a model with experts, and this one has "
+            "no MoE block", "parallelize with ep = 2 of a model without MoE blocks")
     parallelize(model, meshes, max_tokens=12)
-    try:
-        parallelize(model, meshes)
-        fails.append("parallelize applied twice")
-    except ValueError as e:
-        if "model: already parallelized" not in str(e):
-            fails.append(f"parallelize twice: {e}")
+    refused(lambda: parallelize(model, meshes), "model: already parallelized", "parallelize applied twice")
     dispatchers = [m.experts.dispatcher for m in model.modules() if hasattr(getattr(m, "experts", None), "dispatcher")]
     if [d.max_tokens for d in dispatchers] != [12]:
         fails.append(f"dispatchers' max_tokens: {[d.max_tokens for d in dispatchers]}")
