@@ -407,7 +407,7 @@ def _sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
         return dq, dkv.to(kv.dtype)
     # deterministic: the slots by key (empty ones last), key s's at slots[offsets[s]:offsets[s + 1]]
     key = index.reshape(-1).long()
-    key = torch.where((key >= 0) & (key < S), key, S)
+    key = torch.where(_holds_key(key, S), key, S)
     slots = torch.argsort(key, stable=True)
     offsets = torch.searchsorted(key[slots], torch.arange(S + 1, device=key.device))
     dkv = torch.empty_like(kv)
