@@ -197,18 +197,26 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     return (lambda s, special=True: tok.encode(s, add_special_tokens=special and post_processing).ids), tok.decode, eos
 
 
+def _end_ids(config: Optional[Path]) -> list[int]:
+    """The eos_token_id of a generation_config.json or config.json (one id or a list), as a
+    list; [] where the file or the field is not there."""
+    stop = json.loads(config.read_text()).get("eos_token_id") if config is not None and config.is_file() else None
+    return [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+
+
 def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:
     """The ids generation stops at: an HF folder's generation_config.json eos_token_id (an
-    id or a list, as transformers' generate reads it), else `eos` (text_codec's). A run
+    id or a list, as transformers' generate reads it), else every id of its config.json's
+    (transformers builds the generation config from it), else `eos` (text_codec's). A run
     started from an HF folder (--init_from_hf) on token files stops at that folder's ids
     too, when the folder is still there (as its export_hf.py export does: the file is
     copied; a relative path is relative to where the run started, fmoe.train.run.run_path),
     and at `eos`, its data's separator; a byte run at `eos` alone."""
     started = run and run["config"].get("init_from_hf") and not _byte_run(run)
     folder = path if not run else run_path(run, run["config"]["init_from_hf"]) if started else None
-    config = folder / "generation_config.json" if folder is not None else None
-    stop = json.loads(config.read_text()).get("eos_token_id") if config is not None and config.is_file() else None
-    stops = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+    stops = _end_ids(folder / "generation_config.json" if folder is not None else None)
+    if not run and not stops:  # an HF folder without a generation config: its config.json's ids, all of them
+        stops = _end_ids(path / "config.json")
     if eos is not None and (run or not stops) and eos not in stops:
         stops.append(eos)
     return stops

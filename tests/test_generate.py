@@ -401,6 +401,15 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     assert pathlib.Path.cwd() != tmp_path.parent and generate.stop_ids(run_dir[0], relative, 61) == [62, stop, 61]
     assert generate.stop_ids(run_dir[0], {"config": {"init_from_hf": str(tmp_path / "gone")}, "byte_tokens": False}, 61) == [61]
     assert generate.stop_ids(run_dir[0], {"config": {}}, 61) == [61] and generate.stop_ids(tmp_path / "gone", {}, None) == []
+    # a folder without generation_config.json stops at every id of its config.json, as transformers (which builds one from it)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    plain = tmp_path / "no_generation_config"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(dict(hf_config, eos_token_id=[62, stop])))
+    assert generate.stop_ids(plain, {}, 62) == [62, stop] and generate.stop_ids(plain, {}, None) == [62, stop]
+    (plain / "config.json").write_text(json.dumps(dict(hf_config, eos_token_id=stop)))
+    assert generate.stop_ids(plain, {}, stop) == [stop]
+    assert generate.generate(model, ids, tokens=12, eos=generate.stop_ids(plain, {}, 62))[len(ids):] == theirs
     for path, args, message in ((tmp_path, ["--chat", "--prompt_ids=1,2"], "--chat: it renders --prompt's text in the chat template"),
                                 (tmp_path, ["--system=hi"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
                                 (tmp_path, ["--chat", "--chat_template_kwargs=[1]"], "--chat_template_kwargs: expected a JSON object, got \\[1\\]"),
