@@ -346,7 +346,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         separator: the end-of-document token (str) or id (int); None: SEPARATOR_TOKENS.
         dtype: "uint16" or "uint32"; None: from out's suffix, else the smallest that fits.
         progress: report files and tokens on stderr about once a second.
-        text_key: the field (JSON Lines) or column (Parquet) holding each document's text.
+        text_key: the field (JSON Lines) or column (Parquet) holding each document's text;
+            another name than "text" with no JSON Lines or Parquet source is refused.
         prompt_key: the field or column of a prompt before each text (records only): the
             document is the prompt's ids, then the text's, and a loss-mask file (module
             docstring) keeps the prompt's ids out of the loss; None: no prompts.
@@ -383,6 +384,9 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     for key, knob in ((prompt_key, "prompt_key"), (messages_key, "messages_key")):
         if key is not None and texts:
             raise ValueError(f"src: {str(texts[0])!r} is not JSON Lines or Parquet: a text file has no {key!r} (--{knob}) field")
+    if text_key != "text" and not records:  # a field named, and no record to read it from: it would be ignored
+        raise ValueError(f"text_key: {text_key!r} names a field, but src has no JSON Lines or Parquet file ({str(texts[0])!r} is "
+                         "read as one text document; name JSON Lines files .jsonl or .ndjson)")
     if messages_key is not None:  # and a record's tools, when it has them (optional)
         fields = ((messages_key, "messages_key"), (TOOLS_FIELD, None))
     else:

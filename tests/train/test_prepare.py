@@ -405,6 +405,10 @@ def test_bad_prompt_sources_and_masks(tmp_path, tokenizer_path):
     (tmp_path / "t.txt").write_text("plain text")
     with pytest.raises(ValueError, match=r"src: '.*t.txt' is not JSON Lines or Parquet: a text file has no 'prompt' \(--prompt_key\) field"):
         prepare(tmp_path / "t.txt", out, tokenizer=tokenizer_path, prompt_key="prompt", progress=False)
+    # a field named for text files (JSON Lines saved as .json): refused, not the whole file read as one document of JSON
+    (tmp_path / "records.json").write_text("".join(json.dumps(r) + "\n" for r in SFT))
+    with pytest.raises(ValueError, match=r"text_key: 'response' names a field, but src has no JSON Lines or Parquet file \('.*records.json'"):
+        prepare(tmp_path / "records.json", out, tokenizer=tokenizer_path, text_key="response", progress=False)
     for bad in ("", "text", 3):
         with pytest.raises(ValueError, match="prompt_key: expected a non-empty field name other than text_key 'text'"):
             prepare(tmp_path / "sft.jsonl", out, tokenizer=tokenizer_path, prompt_key=bad, progress=False)
