@@ -76,6 +76,7 @@ fmoe.parallel's reductions.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Iterable, Optional, Sequence, Union
 
@@ -144,9 +145,17 @@ def _group_and_size(group) -> tuple[Optional[dist.ProcessGroup], int]:
 
 
 def _check_norm_type(norm_type) -> float:
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:  # NaN fails too
         raise ValueError(f"norm_type: expected a number > 0 or inf, got {norm_type!r}")
     return float(norm_type)
+
+
+def _check_max_norm(max_norm) -> float:
+    """max_norm as a float: any real number > 0 (numpy's scalars too; inf: no clipping), not a
+    bool, NaN or a tensor."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    return float(max_norm)
 
 
 def _as_param_list(parameters) -> list[torch.Tensor]:
@@ -286,7 +295,7 @@ def grad_norm(
 
     Args:
         parameters: a tensor or an iterable of tensors (their .grad: tensor or DTensor).
-        norm_type: p > 0, or float("inf").
+        norm_type: p > 0 (any real number: numpy's scalars too), or float("inf").
         group: a ProcessGroup or 1-D DeviceMesh; None for the world (or no group at all
             without torch.distributed).
         foreach: torch._foreach kernels (None or True) or a loop over the tensors (False),
@@ -333,10 +342,10 @@ def clip_grad_norm(
     torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm cast to float32).
     Parameters without a .grad, or with an empty one, are skipped. No host sync.
 
-    Args: as grad_norm; max_norm: a positive number. copies: parameters whose gradients
-        are scaled too but not counted in the norm: copies of parameters counted elsewhere
-        (a pipeline's tied embedding on its last stage, whose gradient equals the first
-        stage's); skipped in parameters where they also appear there, as param_norm and
+    Args: as grad_norm; max_norm: a positive real number (inf: no clipping). copies:
+        parameters whose gradients are scaled too but not counted in the norm: copies of
+        parameters counted elsewhere (a pipeline's tied embedding on its last stage, whose
+        gradient equals the first stage's); skipped in parameters where they also appear there, as param_norm and
         zero_grad_count skip them. impl: how the gradients are scaled (scale_): "auto" (one Triton launch
         per dtype on CUDA), "triton" or "torch"; the bits are the same. foreach=False
         scales them one by one.
@@ -348,8 +357,7 @@ def clip_grad_norm(
     >>> w.grad
     tensor([0.6000, 0.8000])
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    max_norm = _check_max_norm(max_norm)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     p = _check_norm_type(norm_type)
@@ -382,14 +390,13 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The clipping's factor min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_
     forms it (the same bits), for fmoe.optim.AdamW.step(grad_factor=...).
 
-    Args: norm: 0-D tensor, the gradients' norm (grad_norm's); max_norm: a positive number.
+    Args: norm: 0-D tensor, the gradients' norm (grad_norm's); max_norm: a positive real number.
     Returns: 0-D float32 tensor on norm's device. No host sync.
 
     >>> clip_factor(torch.tensor(5.0), 1.0)
     tensor(0.2000)
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    max_norm = _check_max_norm(max_norm)
     check_float("norm", norm, 0, "[] (grad_norm's)")
     return (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0).float()
 

@@ -2,10 +2,12 @@
 multi-process checks are in tests/parallel/test_reduce.py and test_pipeline.py), and
 Float32GradAccumulator."""
 
+import fractions
 import math
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -508,3 +510,19 @@ def test_float64_and_complex_tensors_are_normed(one_rank_mesh, foreach):
         got = grad_norm(grads, norm_type=p, foreach=foreach)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), torch.linalg.vector_norm(flat, p), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("number", [numpy.float32(0.5), numpy.int64(1), fractions.Fraction(1, 2)], ids=["float32", "int64", "Fraction"])
+def test_numpy_numbers_are_numbers(number):
+    """max_norm and norm_type take any real number, as lr_at and AdamW do (numpy scalars were
+    refused as not positive); bools, NaN and values <= 0 stay refused."""
+    params, ref = _params_with_grads(), _params_with_grads()
+    assert torch.equal(clip_grad_norm(params, number), clip_grad_norm(ref, float(number)))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(params[:2], ref[:2]))  # params[2] has no grad
+    norm = grad_norm(params)
+    assert torch.equal(clip_factor(norm, number), clip_factor(norm, float(number)))
+    assert torch.equal(grad_norm(params, norm_type=number * 4), grad_norm(params, norm_type=float(number * 4)))
+    for bad in (numpy.float32("nan"), numpy.float32(0.0), numpy.int64(-1), numpy.True_, True):
+        _raises("max_norm: expected a positive number", clip_grad_norm, params, bad)
+        _raises("max_norm: expected a positive number", clip_factor, norm, bad)
+        _raises("norm_type: expected a number > 0 or inf", grad_norm, params, norm_type=bad)
