@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -237,49 +237,57 @@ class Muon(torch.optim.Optimizer):
 
 def split_param_groups(
     model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
-    adamw_patterns: Iterable[str] = ADAMW_PATTERNS, muon: bool = True, decay_embeddings: bool = True,
+    adamw_patterns: Union[str, Iterable[str]] = ADAMW_PATTERNS, muon: bool = True, decay_embeddings: bool = True,
 ) -> tuple[list[dict], list[dict]]:
     """(muon_groups, adamw_groups): a model's trainable parameters split by name and shape;
     one helper for every optimizer choice.
 
-    Rule: a parameter with ndim >= 2 goes to Muon unless its name (as in named_parameters)
-    contains one of `adamw_patterns` as a substring (embeddings, output head, router: lookups
-    and classifiers, whose rows are not an operator to orthogonalise; a linear-attention
-    layer's convolution taps, a filter per channel); everything else goes
-    to AdamW. Weight decay: the ndim < 2 tensors (norms, biases, gates) and the experts'
-    stacked biases (b_gate, b_up, b_down: one bias per expert) get none (Megatron
+    Which optimizer: a parameter with ndim >= 2 goes to Muon unless its name (as in
+    named_parameters) contains one of `adamw_patterns` as a substring (embeddings, output
+    head, router: lookups and classifiers, whose rows are not an operator to orthogonalise;
+    a linear-attention layer's convolution taps, a filter per channel); everything else goes
+    to AdamW. adamw_patterns: strings, or one string as one pattern.
+
+    Weight decay, in either optimizer: the ndim < 2 tensors (norms, biases, gates) and the
+    experts' stacked biases (b_gate, b_up, b_down: one bias per expert) get none (Megatron
     Core's default), nor do Mamba-1's log-decays A_log [C, N] (a vector per channel) and the
-    q/k norms' weights and biases per head [heads, D], nor the embeddings and output heads (names containing "embed" or
-    "head") with decay_embeddings=False; the rest get `weight_decay`. Buffers (an
-    expert_bias) and frozen parameters are in neither. muon=False puts every matrix in
-    AdamW (an AdamW-only run: muon_groups is []). Empty groups are left out.
+    q/k norms' weights and biases per head [heads, D], nor, with decay_embeddings=False, the
+    embeddings and output heads (names containing "embed" or "head"); the rest get
+    `weight_decay`. decay_embeddings changes only the decay, never the optimizer: a head
+    matrix outside adamw_patterns stays in Muon, in a group of its own without decay.
+
+    Buffers (an expert_bias) and frozen parameters are in neither. muon=False puts every
+    matrix in AdamW (an AdamW-only run: muon_groups is []). Each side is [decayed,
+    undecayed] groups, empty ones left out.
 
         muon_groups, adamw_groups = split_param_groups(model)
         opts = [Muon(muon_groups), torch.optim.AdamW(adamw_groups)]
         _, groups = split_param_groups(model, muon=False, weight_decay=0.1)   # AdamW only
     """
-    patterns = tuple(adamw_patterns)
-    to_muon, adamw_decay, adamw_no_decay = [], [], []
+    try:
+        patterns = (adamw_patterns,) if isinstance(adamw_patterns, str) else tuple(adamw_patterns)  # "embed": not "e", "m", ...
+    except TypeError:
+        patterns = None
+    if patterns is None or not all(isinstance(pattern, str) for pattern in patterns):
+        raise ValueError(f"adamw_patterns: expected a string or an iterable of strings (substrings of parameter names), got {adamw_patterns!r}")
+    muon_params, adamw_params = ([], []), ([], [])  # (decayed, undecayed) each
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL + PER_HEAD_NORMS) or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS)):
-            adamw_no_decay.append(p)
-        elif not muon or any(pattern in name for pattern in patterns):
-            adamw_decay.append(p)
-        else:
-            to_muon.append(p)
-    muon_groups = [dict(params=to_muon, lr=muon_lr, weight_decay=weight_decay)] if to_muon else []
-    adamw_groups = [
-        dict(params=params, lr=adamw_lr, weight_decay=wd)
-        for params, wd in ((adamw_decay, weight_decay), (adamw_no_decay, 0.0)) if params
-    ]
-    return muon_groups, adamw_groups
+        not_a_matrix = p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL + PER_HEAD_NORMS)
+        to_muon = muon and not not_a_matrix and not any(pattern in name for pattern in patterns)
+        undecayed = not_a_matrix or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS))
+        (muon_params if to_muon else adamw_params)[undecayed].append(p)
+
+    def groups(lr: float, params: tuple[list, list]) -> list[dict]:
+        return [dict(params=ps, lr=lr, weight_decay=wd) for ps, wd in zip(params, (weight_decay, 0.0)) if ps]
+
+    return groups(muon_lr, muon_params), groups(adamw_lr, adamw_params)
 
 
 def build_optimizers(
     model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
-    adamw_patterns: Iterable[str] = ADAMW_PATTERNS, adamw_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+    adamw_patterns: Union[str, Iterable[str]] = ADAMW_PATTERNS, adamw_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
     decay_embeddings: bool = True, **muon_kwargs,
 ) -> list[torch.optim.Optimizer]:
     """[Muon, AdamW] over `model` as split by split_param_groups (either left out if empty).

@@ -410,6 +410,37 @@ def test_split_param_groups_for_adamw_only_and_undecayed_embeddings():
     assert _ids(muon)[0] == {id(model["proj"].weight)} and len(adamw) == 1
 
 
+def test_split_param_groups_takes_one_string_as_one_pattern():
+    """adamw_patterns="embed" is the pattern "embed" (its characters were patterns: every
+    name containing an "e" went to AdamW), through build_optimizers too."""
+    model = nn.ModuleDict(dict(embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8, bias=False), lm_head=nn.Linear(8, 10, bias=False)))
+    muon, adamw = split_param_groups(model, adamw_patterns="embed")
+    assert _ids(muon)[0] == {id(model["proj"].weight), id(model["lm_head"].weight)}
+    assert _ids(adamw)[0] == {id(model["embed"].weight)}
+    muon_opt, _ = build_optimizers(model, adamw_patterns="embed")
+    assert {id(p) for p in muon_opt.param_groups[0]["params"]} == {id(model["proj"].weight), id(model["lm_head"].weight)}
+    for bad in (3, [b"embed"], ["embed", None]):
+        with pytest.raises(ValueError, match="^adamw_patterns: expected a string or an iterable of strings"):
+            split_param_groups(model, adamw_patterns=bad)
+
+
+def test_decay_embeddings_changes_weight_decay_only():
+    """decay_embeddings=False leaves the embedding and head matrices undecayed in whichever
+    optimizer adamw_patterns gives them: an lm_head outside the patterns stays in Muon (it
+    moved to AdamW)."""
+    model = nn.ModuleDict(dict(embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8, bias=False), lm_head=nn.Linear(8, 10, bias=False)))
+    for decay in (True, False):
+        muon, adamw = split_param_groups(model, adamw_patterns=("embed",), weight_decay=0.1, decay_embeddings=decay)
+        if decay:
+            assert [(ids, g["weight_decay"]) for ids, g in zip(_ids(muon), muon)] == [
+                ({id(model["proj"].weight), id(model["lm_head"].weight)}, 0.1)]
+            assert [(ids, g["weight_decay"]) for ids, g in zip(_ids(adamw), adamw)] == [({id(model["embed"].weight)}, 0.1)]
+        else:
+            assert [(ids, g["weight_decay"]) for ids, g in zip(_ids(muon), muon)] == [
+                ({id(model["proj"].weight)}, 0.1), ({id(model["lm_head"].weight)}, 0.0)]
+            assert [(ids, g["weight_decay"]) for ids, g in zip(_ids(adamw), adamw)] == [({id(model["embed"].weight)}, 0.0)]
+
+
 # -----------------------------------------------------------------------------
 # Refusals
 
