@@ -184,6 +184,8 @@ class Muon(torch.optim.Optimizer):
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         check_params_once(params, self.param_groups)
         for p in params:
+            if not isinstance(p, torch.Tensor):  # Muon([1.0]): an AttributeError below
+                raise ValueError(f"params: expected tensors, got {type(p).__name__}")
             if not p.is_floating_point():  # a complex gradient's imaginary part was dropped, int64 failed at step
                 raise ValueError(f"params: expected floating-point parameters, got {p.dtype} (a parameter of shape {tuple(p.shape)})")
             if p.ndim < 2:

@@ -474,6 +474,11 @@ def test_non_floating_params_are_refused(dtype):
         Muon([torch.zeros(2, 3, dtype=dtype)])
 
 
+def test_params_must_be_tensors():
+    with pytest.raises(ValueError, match="^params: expected tensors, got float"):  # an AttributeError
+        Muon([1.0])
+
+
 def test_sparse_gradient_is_refused_before_any_update():
     dense, sparse = torch.ones(3, 4, requires_grad=True), torch.ones(5, 3, requires_grad=True)
     opt = Muon([dense, sparse])
