@@ -152,12 +152,24 @@ def check_hyperparameters(group: dict) -> None:
         raise ValueError(f"ns_dtype: expected a floating torch.dtype (torch.bfloat16, torch.float32), got {dtype!r}")
 
 
+def check_ordered(params) -> None:
+    """TypeError for a set of parameters (the optimizer's `params` or a group's), as torch's
+    add_param_group and AdamW refuse a group's: a set's order changes between runs, and with
+    it a checkpoint's parameter indices and DistributedMuon's owners (ranks that disagree on
+    them hang). torch's constructor took a top-level set as a list. Shared with
+    fmoe.parallel's DistributedMuon."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"params: expected an ordered collection of parameters (a list), got a {type(params).__name__} "
+                        "(its order changes between runs)")
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for matrix parameters (ndim >= 2; leading dims of a stack are a batch of matrices;
     real floating point, each in the optimizer once).
 
     Args:
-        params: tensors or param-group dicts; each group may override any keyword below.
+        params: tensors or param-group dicts, in a list (a set is a TypeError); each group
+            may override any keyword below.
         lr: learning rate. With scale="moonlight" the update RMS is 0.2 lr, as AdamW's, so
             pass AdamW's lr (Moonlight reuses it); 0.02 is modded-nanogpt's lr for
             scale="spectral".
@@ -174,13 +186,15 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
         )
+        check_ordered(params)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
         """Validates the group's hyperparameters and parameters (matrices, each once in the
-        optimizer, as DistributedMuon requires), then adds it."""
+        optimizer, as DistributedMuon requires; a list, not a set: check_ordered), then adds it."""
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
+        check_ordered(group["params"])
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         check_params_once(params, self.param_groups)
         for p in params:

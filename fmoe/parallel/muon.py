@@ -116,7 +116,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from fmoe.optim.adamw import check_state_shapes
-from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, shape_scale
+from fmoe.optim.muon import apply_update, check_hyperparameters, check_ordered, momentum_direction, newton_schulz, shape_scale
 from fmoe.ops.backend import local_tensor as _local
 
 Block = tuple[slice, ...]  # a rank's shard of a matrix: one slice per dim of the full tensor
@@ -222,8 +222,9 @@ class DistributedMuon(torch.optim.Optimizer):
     """Muon over sharded and replicated matrices, NS on one owner rank per matrix.
 
     Args:
-        params: tensors or param-group dicts (each group may override any keyword below):
-            FSDP2/TP DTensors, expert stacks sharded over their leading dims, plain tensors.
+        params: tensors or param-group dicts (each group may override any keyword below),
+            in a list (a set is a TypeError: its order differs between ranks): FSDP2/TP
+            DTensors, expert stacks sharded over their leading dims, plain tensors.
         lr, momentum, nesterov, weight_decay, ns_steps, scale, ns_dtype: as fmoe.optim.Muon
             (the same update, per group; a schedule may change param_groups' lr between
             steps).
@@ -252,6 +253,7 @@ class DistributedMuon(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
         )
+        check_ordered(params)  # a set's order differs between ranks: so would the owners
         super().__init__(params, defaults)
         if model is not None:
             self._register_hooks(model)
@@ -263,6 +265,7 @@ class DistributedMuon(torch.optim.Optimizer):
         least-loaded rank of its mesh, largest first (module docstring)."""
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
+        check_ordered(group["params"])
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         for p in params:
             if not isinstance(p, torch.Tensor) or p.ndim < 2:

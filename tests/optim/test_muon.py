@@ -479,6 +479,19 @@ def test_params_must_be_tensors():
         Muon([1.0])
 
 
+def test_params_must_be_an_ordered_collection():
+    """A set (its order, and so a checkpoint's parameter indices, changes between runs) is
+    torch's TypeError, as in AdamW, at the top level too."""
+    w = nn.Parameter(torch.zeros(3, 3))
+    for params in ({w}, [{"params": {w}}]):
+        with pytest.raises(TypeError, match="^params: expected an ordered collection"):
+            Muon(params)
+    opt = Muon([nn.Parameter(torch.zeros(2, 2))])
+    with pytest.raises(TypeError, match="^params: expected an ordered collection"):
+        opt.add_param_group({"params": {w}})
+    assert len(opt.param_groups) == 1
+
+
 def test_sparse_gradient_is_refused_before_any_update():
     dense, sparse = torch.ones(3, 4, requires_grad=True), torch.ones(5, 3, requires_grad=True)
     opt = Muon([dense, sparse])

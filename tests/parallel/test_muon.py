@@ -520,6 +520,19 @@ def test_bad_params_and_model():
         DistributedMuon([w]).owner_of(torch.zeros(2, 2))
 
 
+def test_params_must_be_an_ordered_collection():
+    """A set's order differs between processes: the ranks assigned different owners and
+    tags, and hung. torch's TypeError, as in Muon and AdamW, at the top level too."""
+    w = nn.Parameter(torch.zeros(3, 3))
+    for params in ({w}, [{"params": {w}}]):
+        with pytest.raises(TypeError, match="^params: expected an ordered collection"):
+            DistributedMuon(params)
+    opt = DistributedMuon([nn.Parameter(torch.zeros(2, 2))])
+    with pytest.raises(TypeError, match="^params: expected an ordered collection"):
+        opt.add_param_group({"params": {w}})
+    assert len(opt.param_groups) == 1
+
+
 def test_hyperparameters_set_later_are_checked_at_step():
     w = nn.Parameter(torch.ones(3, 3))
     opt = DistributedMuon([w])
