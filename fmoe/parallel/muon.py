@@ -367,7 +367,9 @@ class DistributedMuon(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         """Update every parameter with a gradient: local ones now, owned ones when waited on.
         Every group's hyperparameters are checked first (fmoe.optim.muon.check_hyperparameters),
-        before the closure runs or anything changes."""
+        before the closure runs or anything changes. A sparse gradient: RuntimeError, as in
+        Muon, before any parameter or momentum changes (the previous step's pending updates
+        aside, written first)."""
         for group in self.param_groups:
             check_hyperparameters(group)
         self.wait()
@@ -375,6 +377,8 @@ class DistributedMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(p.grad is not None and p.grad.is_sparse for group in self.param_groups for p in group["params"]):
+            raise RuntimeError("Muon does not support sparse gradients")
         rank = dist.get_rank() if _distributed() else 0
         owned, local = [], []
         for group in self.param_groups:

@@ -533,6 +533,16 @@ def test_params_must_be_an_ordered_collection():
     assert len(opt.param_groups) == 1
 
 
+def test_sparse_gradient_is_refused_before_any_update():
+    """As Muon: the dense matrix was updated (and its momentum made) before the sparse one failed in NS."""
+    dense, sparse = nn.Parameter(torch.ones(3, 3)), nn.Parameter(torch.ones(3, 3))
+    dense.grad, sparse.grad = torch.randn(3, 3), torch.eye(3).to_sparse()
+    opt = DistributedMuon([dense, sparse], lr=0.1)
+    with pytest.raises(RuntimeError, match="^Muon does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(dense.detach(), torch.ones(3, 3)) and not opt.state
+
+
 def test_hyperparameters_set_later_are_checked_at_step():
     w = nn.Parameter(torch.ones(3, 3))
     opt = DistributedMuon([w])
