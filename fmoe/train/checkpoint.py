@@ -110,6 +110,7 @@ def _out_dir(out_dir) -> Path:
 # grouping and however the model is split into pipeline chunks
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _FRESH = "fresh_optimizers.json"  # the indices of the optimizers saved before their first step
+_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module"}  # torch.compile's and checkpoint_wrapper's modules: not in DCP's names
 
 
 def _models(model) -> list[torch.nn.Module]:
@@ -388,11 +389,39 @@ def _dcp_load(state: dict, path: Path, *, no_dist: Optional[bool] = None) -> Non
                          "checkpoint") from None
 
 
+def _parameter_names(models: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """Each parameter of models by the name that keys its optimizer state (DCP's FQN: its name
+    in the model without torch.compile's and checkpoint_wrapper's wrapper modules; a tied
+    parameter under each of its names)."""
+    return {".".join(part for part in name.split(".") if part not in _WRAPPERS): p
+            for m in models for name, p in m.named_parameters(remove_duplicate=False)}
+
+
+def _owner(key: str, names: Mapping) -> Optional[str]:
+    """The parameter (one of names) whose flattened optimizer state entry `key` is
+    (state.<param>.<key>, nested state deeper), or None. A parameter's name is a leaf of the
+    module tree, never the beginning of another's, so the first match is the one."""
+    parts = key.split(".")[1:]
+    return next((name for i in range(1, len(parts)) if (name := ".".join(parts[:i])) in names), None)
+
+
+def _unsaved_state(stored: Mapping, optim_state: Mapping, names: Mapping) -> set[str]:
+    """The parameters (of names) whose state optim_state holds and checkpoint `stored` holds
+    none of: they had no state when saved (never a gradient: AdamW and Muon keep none). A
+    fresh optimizer here has state for all its parameters (get_state_dict's lr-0 step), which
+    those must not keep."""
+    saved = {_owner(key[len("optim."):], names) for key in stored if key.startswith("optim.state.")}
+    held = {_owner(key, names) for key in optim_state if key.startswith("state.")}
+    return held - saved - {None}
+
+
 def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) -> None:
     """ValueError naming the optimizer state entries (flattened: state.<param>.<key>,
     param_groups.<param>.<knob>) that checkpoint `path` lacks, before DCP reads any (its own
     error, a CheckpointException, is a BaseException that `except Exception` lets through):
-    optimizers of another kind or set-up than the saving run's. stored: _stored(path)."""
+    optimizers of another kind or set-up than the saving run's. stored: _stored(path);
+    optim_state: without the parameters the checkpoint holds no state for (_unsaved_state), so
+    a parameter with some of its entries saved and not others is named here."""
     missing = [name for name, value in optim_state.items()
                if f"optim.{name}" not in stored and not (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))]
     if missing:
@@ -499,16 +528,18 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     """Restore model and optimizers in place from a checkpoint directory; return this rank's
     extra dict. Fresh optimizers get their state created first (get_state_dict runs one
-    zero-lr step on zero gradients), then overwritten bit for bit; the optimizers the
-    checkpoint saved before their first step are left without state, as they were then.
+    zero-lr step on zero gradients), then overwritten bit for bit; the parameters the
+    checkpoint holds no optimizer state for (no gradient before the save: AdamW and Muon keep
+    none) are left without state, as they were then, and so are the optimizers the checkpoint
+    saved before their first step.
 
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
     0's extra, which is right when extra is the same on every rank (the train loop's is).
     A model of other parameter names or shapes than the saved one's (more or fewer; pipeline
     chunks: the whole model of their config), or optimizers whose state entries the
-    checkpoint lacks (another kind or set-up): a ValueError naming them, before anything is
-    read."""
+    checkpoint lacks (another kind or set-up; a parameter with some of its entries saved): a
+    ValueError naming them, before anything is read."""
     path = _checkpoint_dir(path)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
@@ -526,14 +557,21 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     state, parts = _state(pairs)
     stored = _stored(path)  # read once for both checks
     _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
-    _check_optimizer_state(path, stored, state["optim"])
-    _dcp_load(state, path)
+    names = _parameter_names(models)
+    unsaved = _unsaved_state(stored, state["optim"], names)
+    read = {"model": state["model"], "optim": {k: v for k, v in state["optim"].items() if k.startswith("param_groups.") or _owner(k, names) not in unsaved}}
+    _check_optimizer_state(path, stored, read["optim"])
+    _dcp_load(read, path)  # in place; a number (not a tensor) is replaced in read's dict
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):
         loaded_model = {k: state["model"][k] for k in model_sd}
-        if opts:
-            set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict={k: state["optim"][k] for k in optim_sd}, options=_OPTIONS)
+        if opts:  # the unsaved parameters' entries as made (set_state_dict wants them all), emptied below
+            optim_sd = {k: read["optim"].get(k, v) for k, v in optim_sd.items()}
+            set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict=optim_sd, options=_OPTIONS)
         else:
             set_model_state_dict(m, loaded_model)
+    for name in unsaved:  # no state, as when saved: a first step of theirs counts 1
+        for opt in optimizers:
+            opt.state.pop(names[name], None)
     if (path / _FRESH).is_file():  # saved before their first step: no state, as then (older checkpoints have no such file)
         _empty(optimizers, [i for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
     return extra

@@ -459,3 +459,45 @@ def test_model_tensors_reads_each_tensor_of_a_checkpoint_when_asked(tmp_path):
         tensors["blocks.9.attn.wq"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ckpt.ModelTensors(tmp_path / "nope")
+
+
+def _used_and_unused():
+    """A Linear that trains and one that never gets a gradient (an indexer whose loss is off, an
+    MTP head of weight 0): torch's AdamW keeps no state for the second."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, parts=("used",)):
+    sum(model[name](torch.randn(3, 4)).square().sum() for name in parts).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_parameters_without_state_load_without_state(tmp_path):
+    """A load refused the saving run's own optimizer when some parameters never had a gradient
+    (no state saved for them; a fresh optimizer's lr-0 step gives every parameter state).
+    They load without state, as they were saved, so a later first step of theirs counts 1;
+    another setting of the optimizer (amsgrad) is still refused by name."""
+    model, opt = _used_and_unused()
+    torch.manual_seed(1)
+    _step(model, opt)
+    _step(model, opt)
+    ckpt.save(tmp_path, 2, model=model, optimizers=[opt])
+    resumed, resumed_opt = _used_and_unused()
+    ckpt.load(tmp_path / "step_000002", model=resumed, optimizers=[resumed_opt])
+    assert {id(p) for p in resumed_opt.state} == {id(p) for p in resumed["used"].parameters()}
+    _assert_identical(_tensors(model, [opt]), _tensors(resumed, [resumed_opt]))
+    runs = []
+    for m, o in ((model, opt), (resumed, resumed_opt)):
+        torch.manual_seed(7)
+        _step(m, o, ("used", "unused"))  # the unused part's first step
+        runs.append(_tensors(m, [o]))
+    _assert_identical(*runs)
+    assert resumed_opt.state[resumed["unused"].weight]["step"] == 1
+    other, _ = _used_and_unused()
+    amsgrad = torch.optim.AdamW(other.parameters(), lr=1e-2, amsgrad=True)
+    with pytest.raises(ValueError, match=r"optimizers: the checkpoint .*step_000002' holds no state\.used\.weight\.max_exp_avg_sq, "
+                                         r"state\.used\.bias\.max_exp_avg_sq: these optimizers differ from the saving run's"):
+        ckpt.load(tmp_path / "step_000002", model=other, optimizers=[amsgrad])
