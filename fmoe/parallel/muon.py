@@ -232,8 +232,9 @@ class DistributedMuon(torch.optim.Optimizer):
             each pending update just before its parameter's next use, and model.state_dict()
             / load_state_dict() complete all pending updates first (module docstring).
 
-    Every rank must construct it with the same parameters in the same order, after the
-    model is sharded (fully_shard, distribute_tensor): ownership and hooks are decided here.
+    Every rank must construct it (and add_param_group) with the same parameters in the same
+    order, after the model is sharded (fully_shard, distribute_tensor): ownership and hooks
+    are decided per group as it is added.
     `step()` leaves the owned matrices' updates in flight: see `wait()` and the module
     docstring. `owner_of(param)`, `load_per_rank` and `pending` expose the ownership and
     the work in flight; `remove_hooks()` undoes what `model=` registered.
@@ -250,19 +251,23 @@ class DistributedMuon(torch.optim.Optimizer):
         self._pending: dict[torch.Tensor, _Update] = {}
         self._sends: list = []  # (work, buffer) of the gathers' sends, waited by wait()
         self._hooks: list = []
+        self._model = model  # add_param_group hooks each group's parameters on it
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
         )
         check_ordered(params)  # a set's order differs between ranks: so would the owners
         super().__init__(params, defaults)
         if model is not None:
-            self._register_hooks(model)
+            self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait()))
+            self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args: self.wait()))
 
     # -- construction --------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
         """Validates the group (as Muon does), then assigns each of its owned matrices to the
-        least-loaded rank of its mesh, largest first (module docstring)."""
+        least-loaded rank of its mesh, largest first (module docstring). With `model`, its
+        parameters must be the model's (ValueError naming model) and its owned matrices get
+        their forward pre-hooks, whether the group is the constructor's or added later."""
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
         check_ordered(group["params"])
@@ -276,6 +281,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 raise ValueError(f"params: a parameter cannot be a Partial DTensor, got placements {p.placements}")
             if p in self._owner or sum(q is p for q in params) > 1:
                 raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
+        managers = self._managers(params) if self._model is not None else {}  # before the load tables change
         owners = {}
         for p in sorted((p for p in params if not _is_local(p)), key=lambda p: -p.numel()):  # stable: ties keep group order
             ranks = tuple(_mesh_ranks(p))
@@ -287,31 +293,33 @@ class DistributedMuon(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
         self._owner.update({p: owners.get(p) for p in params})
         self._plans.update(plans)
+        params_of: dict[nn.Module, list[torch.Tensor]] = {}
+        for p, module in managers.items():
+            if owners.get(p) is not None:  # local parameters are written in step()
+                params_of.setdefault(module, []).append(p)
+        for module, owned in params_of.items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(owned), prepend=True))
 
-    def _register_hooks(self, model: nn.Module) -> None:
-        modules = dict(model.named_modules(remove_duplicate=False))
+    def _managers(self, params: list[torch.Tensor]) -> dict[torch.Tensor, nn.Module]:
+        """param -> the module of self._model whose forward pre-hook writes its update (its
+        nearest FSDPModule ancestor, itself included, else the module holding it)."""
+        modules = dict(self._model.named_modules(remove_duplicate=False))
 
         def manager(path: str) -> Optional[nn.Module]:  # the nearest FSDPModule ancestor, itself included
             while not isinstance(modules[path], FSDPModule) and path:
                 path = path.rpartition(".")[0]
             return modules[path] if isinstance(modules[path], FSDPModule) else None
 
-        manager_of = {}  # param -> the module whose forward pre-hook writes its update
+        wanted = {id(p) for p in params}
+        manager_of = {}
         for name, module in modules.items():
             for p in module.parameters(recurse=False):
-                if p in self._owner and p not in manager_of:
+                if id(p) in wanted and p not in manager_of:
                     manager_of[p] = manager(name) or module
-        missing = [tuple(p.shape) for p in self._owner if p not in manager_of]
+        missing = [tuple(p.shape) for p in params if p not in manager_of]
         if missing:
             raise ValueError(f"model: parameters of shapes {missing} are not parameters of the model")
-        params_of: dict[nn.Module, list[torch.Tensor]] = {}
-        for p, module in manager_of.items():
-            if self._owner[p] is not None:  # local parameters are written in step()
-                params_of.setdefault(module, []).append(p)
-        for module, params in params_of.items():
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(params), prepend=True))
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args: self.wait()))
+        return manager_of
 
     def _pre_forward_hook(self, params: list[torch.Tensor]) -> Callable:
         def hook(module, args):
@@ -320,10 +328,12 @@ class DistributedMuon(torch.optim.Optimizer):
         return hook
 
     def remove_hooks(self) -> None:
-        """Remove the hooks registered on `model` (pending updates then wait for wait())."""
+        """Remove the hooks registered on `model` (pending updates then wait for wait());
+        groups added later get none either."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._model = None
 
     # -- ownership -----------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ the other half by hand), expert stacks sharded over their experts on the expert 
 plain replicated matrix. Each rank feeds its own tokens; the loss is a sum over tokens
 divided by the global count and FSDP's gradient division is off, so gradients equal the
 single-process ones. Five steps of DistributedMuon (in "sync" mode, wait() after each step;
-in "hooks" mode, model= hooks only) must follow Muon on the concatenated data. A spawn costs
+in "hooks" mode, model= hooks only; in "added" mode, as "hooks" with the second param group
+given by add_param_group) must follow Muon on the concatenated data. A spawn costs
 seconds of imports, so one spawn per world size records everything and the pytest cases
 assert on the records (a worker that raised would leave the others waiting on it).
 
@@ -205,11 +206,16 @@ def _full_params(model) -> dict:
     return {n: _full(p) for n, p in model.named_parameters()}
 
 
-def _train(rank, world, meshes, *, hooks: bool, ns_calls: list) -> dict:
-    """Five steps; "sync" waits after each step, "hooks" relies on model= hooks."""
+def _train(rank, world, meshes, *, hooks: bool, ns_calls: list, added: bool = False) -> dict:
+    """Five steps; "sync" waits after each step, "hooks" relies on model= hooks; "added"
+    (added=True) as "hooks" with the second group given by add_param_group, then wait()
+    instead of the checkpoint round trip."""
     model = _distributed_toy(meshes)
     params = dict(model.named_parameters())
-    opt = DistributedMuon(_groups(model), ns_dtype=torch.float32, model=model if hooks else None)
+    groups = _groups(model)
+    opt = DistributedMuon(groups[:1] if added else groups, ns_dtype=torch.float32, model=model if hooks else None)
+    if added:
+        opt.add_param_group(groups[1])
     record = dict(losses=[], params=[], ns_calls=[], expected_ns_calls=[], checks={})
     for step in range(STEPS):
         record["losses"].append(_forward_backward(model, rank, world, step))
@@ -236,7 +242,10 @@ def _train(rank, world, meshes, *, hooks: bool, ns_calls: list) -> dict:
         if not hooks:
             opt.wait()
             record["params"].append(_full_params(model))
-    if hooks:
+    if added:
+        opt.wait()
+        record["params"].append(_full_params(model))
+    elif hooks:
         record["dcp"] = _checkpoint_round_trip(rank, world, meshes, model, opt)
         record["params"].append(record["dcp"].pop("saved_params"))
     record["owners"] = {n: opt.owner_of(p) for n, p in params.items()}
@@ -342,6 +351,7 @@ def _worker(rank: int, world: int) -> dict:
     out = dict(
         sync=_train(rank, world, meshes, hooks=False, ns_calls=ns_calls),
         hooks=_train(rank, world, meshes, hooks=True, ns_calls=ns_calls),
+        added=_train(rank, world, meshes, hooks=True, ns_calls=ns_calls, added=True),
         nothing_owned=_nothing_owned(rank, world, meshes),
         bad_layouts=_bad_layouts(meshes),
     )
@@ -367,7 +377,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("mode", ["sync", "hooks"])
+@pytest.mark.parametrize("mode", ["sync", "hooks", "added"])
 def test_matches_single_process_muon(spawned, reference, mode):
     size, results = spawned
     for rank, result in enumerate(results):
@@ -384,14 +394,26 @@ def test_matches_single_process_muon(spawned, reference, mode):
 def test_async_and_hooks(spawned):
     size, results = spawned
     for rank, result in enumerate(results):
-        failed = [name for name, ok in result["hooks"]["checks"].items() if not ok]
-        assert not failed, f"rank {rank}: {failed}"
+        for mode in ("hooks", "added"):
+            failed = [name for name, ok in result[mode]["checks"].items() if not ok]
+            assert not failed, f"rank {rank}, {mode}: {failed}"
+
+
+def test_group_added_later_is_the_constructors(spawned):
+    """A group given by add_param_group gets the forward pre-hooks of model= (a forward used
+    its stale weights) and the same owners: the same bits as the group given at construction."""
+    size, results = spawned
+    for rank, result in enumerate(results):
+        hooks, added = result["hooks"], result["added"]
+        assert added["owners"] == hooks["owners"] and added["losses"] == hooks["losses"], rank
+        for step, (got, want) in enumerate(zip(added["params"], hooks["params"])):
+            assert all(torch.equal(got[n], want[n]) for n in want), (rank, step)
 
 
 def test_only_owners_run_newton_schulz(spawned, reference):
     size, results = spawned
     shape = {n: tuple(p.shape) for n, p in reference["params"][0].items()}
-    for mode in ("sync", "hooks"):
+    for mode in ("sync", "hooks", "added"):
         for rank, result in enumerate(results):
             record = result[mode]
             assert record["ns_calls"] == record["expected_ns_calls"], (mode, rank)
@@ -531,6 +553,19 @@ def test_params_must_be_an_ordered_collection():
     with pytest.raises(TypeError, match="^params: expected an ordered collection"):
         opt.add_param_group({"params": {w}})
     assert len(opt.param_groups) == 1
+
+
+def test_add_param_group_checks_the_model():
+    """A group added later must belong to `model` too, as the constructor's (it was taken
+    without a check or a hook)."""
+    model = nn.Linear(3, 3, bias=False)
+    opt = DistributedMuon([model.weight], model=model)
+    stranger = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match=r"^model: parameters of shapes \[\(3, 3\)\] are not parameters of the model"):
+        opt.add_param_group({"params": [stranger]})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=r"^params: a parameter of shape \(3, 3\) appears twice"):
+        opt.add_param_group({"params": [model.weight]})
 
 
 def test_sparse_gradient_is_refused_before_any_update():
