@@ -109,7 +109,7 @@ def _out_dir(out_dir) -> Path:
 # "param_groups.blocks.0.attn.wq.lr"), not by group index: the same keys whatever the
 # grouping and however the model is split into pipeline chunks
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-_FRESH = "fresh_optimizers.json"  # the indices of the optimizers saved before their first step
+_FRESH = "fresh_optimizers.json"  # older checkpoints': the places in the list of the optimizers saved before their first step
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module"}  # torch.compile's and checkpoint_wrapper's modules: not in DCP's names
 
 
@@ -231,7 +231,8 @@ def save(
 
     Optimizers that have not stepped yet (no state) are saved as such and keep no state:
     DCP's get_state_dict makes their state by a step at lr 0 on zero gradients, whose step
-    count would shift every later step's bias correction; load leaves them without state.
+    count would shift every later step's bias correction; it is not saved, and load leaves
+    their parameters without state, whatever the order of the optimizers then.
 
     Returns a SaveHandle (done already when sync).
     """
@@ -243,7 +244,8 @@ def save(
     if previous is not None and not isinstance(previous, SaveHandle):
         raise ValueError(f"previous: expected the SaveHandle of the last save or None, got {type(previous).__name__}")
     optimizers = _optimizers(optimizers)
-    pairs = _pairs(_models(model), optimizers)  # refused before anything is written
+    models = _models(model)
+    pairs = _pairs(models, optimizers)  # refused before anything is written
     if previous is not None:
         previous.wait()
 
@@ -257,17 +259,20 @@ def save(
     torch.save(extra or {}, tmp / f"extra_rank{_rank()}.pt")
 
     # optimizers that have not stepped: get_state_dict makes their state by a step at lr 0 (step count 1), which would
-    # shift every later step's bias correction here and in a run resumed from this; they are emptied again once saved,
-    # and load empties them too
-    fresh = [i for i, opt in enumerate(optimizers) if not opt.state]
-    if _rank() == 0:
-        (tmp / _FRESH).write_text(json.dumps(fresh))
+    # shift every later step's bias correction here and in a run resumed from this; it is not saved (load leaves a
+    # parameter whose state was not saved without any) and they are emptied again once saved
+    fresh = [opt for opt in optimizers if not opt.state]
     state, _ = _state(pairs)
+    if fresh:
+        names = _parameter_names(models)
+        ids = {id(p) for opt in fresh for group in opt.param_groups for p in group["params"]}
+        unstepped = {name for name, p in names.items() if id(p) in ids}
+        state["optim"] = {k: v for k, v in state["optim"].items() if not k.startswith("state.") or _owner(k, names) not in unstepped}
     no_dist = not dist.is_initialized()
     if not async_:
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
-        _empty(optimizers, fresh)
+        _empty(fresh)
         if _rank() == 0:
             _finalize(tmp, final)
         _barrier()
@@ -275,15 +280,15 @@ def save(
     if no_dist:  # its background writer warns after the call returns: the filter stays (added once, moved to the front)
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
     result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)  # staged: the state may change from here
-    _empty(optimizers, fresh)
+    _empty(fresh)
     future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or Future
     return SaveHandle(tmp, final, future)
 
 
-def _empty(optimizers: list[torch.optim.Optimizer], indices: Sequence[int]) -> None:
-    """Back to no state (as before their first step) for the optimizers at `indices`."""
-    for i in indices:
-        optimizers[i].state.clear()
+def _empty(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Back to no state, as before their first step."""
+    for opt in optimizers:
+        opt.state.clear()
 
 
 def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
@@ -572,8 +577,8 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     for name in unsaved:  # no state, as when saved: a first step of theirs counts 1
         for opt in optimizers:
             opt.state.pop(names[name], None)
-    if (path / _FRESH).is_file():  # saved before their first step: no state, as then (older checkpoints have no such file)
-        _empty(optimizers, [i for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
+    if (path / _FRESH).is_file():  # an older checkpoint, with the lr-0 step's state: by place in the list, as it saved them
+        _empty([optimizers[i] for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
     return extra
 
 

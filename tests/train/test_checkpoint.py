@@ -178,6 +178,7 @@ def test_a_damaged_checkpoint_file_is_a_value_error(tmp_path):
     CheckpointException is a BaseException, which `except Exception` and the loop's `except
     ValueError` let through), from load, load_model and ModelTensors alike."""
     model, opts = _build()
+    _train(model, opts, 1)  # optimizer state saved too: the cut falls inside a tensor's record
     path = ckpt.save(tmp_path, 1, model=model, optimizers=opts).wait()
     (shard,) = path.glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -501,3 +502,37 @@ def test_parameters_without_state_load_without_state(tmp_path):
     with pytest.raises(ValueError, match=r"optimizers: the checkpoint .*step_000002' holds no state\.used\.weight\.max_exp_avg_sq, "
                                          r"state\.used\.bias\.max_exp_avg_sq: these optimizers differ from the saving run's"):
         ckpt.load(tmp_path / "step_000002", model=other, optimizers=[amsgrad])
+
+
+def _two_parts():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    return model, torch.optim.AdamW(model["a"].parameters(), lr=1e-2), torch.optim.AdamW(model["b"].parameters(), lr=1e-2)
+
+
+def test_an_optimizer_saved_before_its_first_step_loads_without_state_in_any_order(tmp_path):
+    """The optimizers saved before their first step were recorded by their place in the list:
+    loaded in another order (or another pipeline split), the stepped one lost its moments and
+    the other got the lr-0 step's state. Each parameter now loads the state saved for it, or
+    none. An older checkpoint's record (fresh_optimizers.json) still reads by place."""
+    model, a, b = _two_parts()
+    _step(model, b, ("b",))
+    ckpt.save(tmp_path, 1, model=model, optimizers=[a, b])
+    assert not a.state and len(b.state) == 2
+    resumed, a2, b2 = _two_parts()
+    ckpt.load(tmp_path / "step_000001", model=resumed, optimizers=[b2, a2])
+    assert not a2.state
+    _assert_identical(_tensors(model, [a, b]), _tensors(resumed, [a2, b2]))
+    runs = []
+    for m, opts in ((model, (a, b)), (resumed, (a2, b2))):
+        torch.manual_seed(7)
+        for opt in opts:
+            _step(m, opt, ("a", "b"))
+        runs.append(_tensors(m, opts))
+    _assert_identical(*runs)
+    # an older checkpoint: every optimizer's state saved, the fresh ones' places in the list beside it
+    ckpt.save(tmp_path, 2, model=model, optimizers=[a, b])
+    (tmp_path / "step_000002" / "fresh_optimizers.json").write_text("[0]")
+    older, a3, b3 = _two_parts()
+    ckpt.load(tmp_path / "step_000002", model=older, optimizers=[a3, b3])
+    assert not a3.state and len(b3.state) == 2
