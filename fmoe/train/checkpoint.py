@@ -499,7 +499,8 @@ class ModelTensors(Mapping):
     its full value on the CPU, each read from the files only when asked for: a process that
     reads a model one tensor at a time (fmoe.train.upcycle) never holds all of it. path: a
     checkpoint directory or a run's out_dir (its newest complete checkpoint). Reads need no
-    process group (each is this process's own); an unknown name is a KeyError."""
+    process group (each is this process's own); an unknown name is a KeyError. `name in
+    tensors`, len and iteration read the names alone, never a tensor."""
 
     def __init__(self, path):
         self.path = _checkpoint_or_newest(path)
@@ -512,6 +513,9 @@ class ModelTensors(Mapping):
         state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
         _dcp_load(state, self.path, no_dist=True)
         return state["model"][name]
+
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self._meta
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._meta)

@@ -536,3 +536,17 @@ def test_an_optimizer_saved_before_its_first_step_loads_without_state_in_any_ord
     older, a3, b3 = _two_parts()
     ckpt.load(tmp_path / "step_000002", model=older, optimizers=[a3, b3])
     assert not a3.state and len(b3.state) == 2
+
+
+def test_model_tensors_membership_reads_nothing(tmp_path, monkeypatch):
+    """`name in tensors` (Mapping's, through __getitem__) read the tensor from the files; it now
+    looks at the names alone, and get of an unknown name reads nothing either."""
+    model, opts = _build()
+    ckpt.save(tmp_path, 1, model=model, optimizers=opts)
+    tensors = ckpt.ModelTensors(tmp_path)
+    reads = []
+    monkeypatch.setattr(ckpt, "_dcp_load", lambda state, path, **kw: reads.append(list(state["model"])))
+    assert "moe.router" in tensors and "nope" not in tensors and 3 not in tensors
+    assert tensors.get("nope") is None and reads == []
+    tensors.get("moe.router")
+    assert reads == [["moe.router"]]
