@@ -604,8 +604,8 @@ def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[
 
 
 def rng_state() -> dict:
-    """The states of torch's CPU and CUDA generators, python's random and numpy's global
-    generator (when numpy is installed), for `extra`."""
+    """The states of torch's CPU and CUDA generators (one per visible device), python's random
+    and numpy's global generator (when numpy is installed), for `extra`."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -618,13 +618,16 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what rng_state() returned."""
+    """Restore what rng_state() returned. CUDA generators: those of the first min(saved,
+    visible) devices, in order, so that a run saved with every GPU of a node visible resumes
+    with fewer visible per process (SLURM binding one per rank); the others keep theirs."""
     if not isinstance(state, dict) or "torch" not in state or "python" not in state:
         raise ValueError("state: expected the dict returned by rng_state()")
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
     if "numpy" in state:
         import numpy as np
 

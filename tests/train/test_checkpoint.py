@@ -550,3 +550,29 @@ def test_model_tensors_membership_reads_nothing(tmp_path, monkeypatch):
     assert tensors.get("nope") is None and reads == []
     tensors.get("moe.router")
     assert reads == [["moe.router"]]
+
+
+def test_cuda_generators_restore_on_fewer_visible_devices(monkeypatch):
+    """A run saved with 8 GPUs visible, resumed with 1 per rank (SLURM's binding): set_rng_state
+    restored all 8 (an IndexError); it restores those of the devices visible, in order."""
+    visible, restored = [8], []
+
+    def set_state(state, device="cuda"):  # as torch's: device i's generator, an IndexError past the visible ones
+        if device >= visible[0]:
+            raise IndexError("list index out of range")
+        restored.append((device, int(state[0])))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible[0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([i], dtype=torch.uint8) for i in range(visible[0])])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_state)  # what torch's set_rng_state_all calls
+    state = ckpt.rng_state()
+    assert len(state["cuda"]) == 8
+    visible[0] = 1
+    ckpt.set_rng_state(state)
+    assert restored == [(0, 0)]
+    visible[0] = 8
+    restored.clear()
+    ckpt.set_rng_state(state)
+    assert restored == [(i, i) for i in range(8)]
