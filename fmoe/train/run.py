@@ -67,18 +67,24 @@ def set_deterministic(enabled: bool = True) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _git_commit(path: Path) -> Optional[str]:
+def _git_commit(package: Path) -> Optional[str]:
+    """HEAD of the git checkout whose top level holds `package` (fmoe's source tree), or None:
+    a package installed inside another repository (a project's .venv) is not its checkout."""
     try:
-        run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=10)
+        run = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return run.stdout.strip() if run.returncode == 0 else None
+    lines = run.stdout.split("\n")
+    if run.returncode != 0 or len(lines) < 2 or Path(lines[0]).resolve() != package.parent:
+        return None
+    return lines[1].strip()
 
 
 def run_info() -> dict:
     """torch, triton and fmoe versions, the git commit of fmoe's source tree (None outside a
-    git checkout), Python, the host, the working directory (what relative paths among the
-    knobs are relative to) and whether CUDA is available (and which GPU)."""
+    git checkout of fmoe's own: installed inside another repository, a project's .venv, too),
+    Python, the host, the working directory (what relative paths among the knobs are relative
+    to) and whether CUDA is available (and which GPU)."""
     import triton
 
     return {

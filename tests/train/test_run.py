@@ -2,6 +2,7 @@
 run_script: under torchrun a refusal is said by rank 0 alone, the others hold theirs back."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -248,3 +249,27 @@ def test_run_path_is_relative_to_where_the_run_started(tmp_path):
     assert run_path({"run": {"cwd": str(tmp_path)}}, "hf/qwen3") == tmp_path / "hf" / "qwen3"
     assert run_path({"run": {"cwd": str(tmp_path)}}, "/abs/hf") == pathlib.Path("/abs/hf")  # absolute: as it is
     assert run_path({"config": {}}, "hf") == pathlib.Path("hf")  # no record of where it started
+
+
+def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_path):
+    """run_info's git_commit came from any repository above the package: fmoe installed in a
+    project's .venv recorded the project's commit as its own. Only a checkout whose top level
+    holds the fmoe package counts."""
+    from fmoe.train.run import run_info
+
+    root = pathlib.Path(fmoe.train.run.__file__).resolve().parents[2]
+    here = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True, text=True)
+    if here.returncode != 0 or pathlib.Path(here.stdout.splitlines()[0]).resolve() != root:
+        pytest.skip(f"fmoe at {root} is not a git checkout's top level: {here.stderr.strip()}")
+    assert run_info()["git_commit"] == here.stdout.splitlines()[1]
+    project = tmp_path / "project"
+    site = project / ".venv" / "lib" / "site-packages"
+    shutil.copytree(root / "fmoe", site / "fmoe", ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "a project"]):
+        subprocess.run(git + args, cwd=project, check=True, capture_output=True)
+    script = "import fmoe.train.run as run; print(run.__file__); print(run.run_info()['git_commit'])"
+    out = subprocess.run([sys.executable, "-c", script], cwd=project, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [str(site / "fmoe" / "train" / "run.py"), "None"]
