@@ -266,7 +266,7 @@ def save(
     if fresh:
         names = _parameter_names(models)
         ids = {id(p) for opt in fresh for group in opt.param_groups for p in group["params"]}
-        unstepped = {name for name, p in names.items() if id(p) in ids}
+        unstepped = {name for name, params in names.items() if any(id(p) in ids for p in params)}
         state["optim"] = {k: v for k, v in state["optim"].items() if not k.startswith("state.") or _owner(k, names) not in unstepped}
     no_dist = not dist.is_initialized()
     if not async_:
@@ -394,12 +394,15 @@ def _dcp_load(state: dict, path: Path, *, no_dist: Optional[bool] = None) -> Non
                          "checkpoint") from None
 
 
-def _parameter_names(models: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
-    """Each parameter of models by the name that keys its optimizer state (DCP's FQN: its name
-    in the model without torch.compile's and checkpoint_wrapper's wrapper modules; a tied
-    parameter under each of its names)."""
-    return {".".join(part for part in name.split(".") if part not in _WRAPPERS): p
-            for m in models for name, p in m.named_parameters(remove_duplicate=False)}
+def _parameter_names(models: list[torch.nn.Module]) -> dict[str, list[torch.nn.Parameter]]:
+    """The parameters of models by the name that keys their optimizer state (DCP's FQN: the name
+    in the model without torch.compile's and checkpoint_wrapper's wrapper modules): a tied
+    parameter under each of its names, a tied copy in each pipeline chunk under the same one."""
+    names: dict[str, list[torch.nn.Parameter]] = {}
+    for m in models:
+        for name, p in m.named_parameters(remove_duplicate=False):
+            names.setdefault(".".join(part for part in name.split(".") if part not in _WRAPPERS), []).append(p)
+    return names
 
 
 def _owner(key: str, names: Mapping) -> Optional[str]:
@@ -578,9 +581,9 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
             set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict=optim_sd, options=_OPTIONS)
         else:
             set_model_state_dict(m, loaded_model)
-    for name in unsaved:  # no state, as when saved: a first step of theirs counts 1
+    for p in (p for name in unsaved for p in names[name]):  # no state, as when saved: a first step of theirs counts 1
         for opt in optimizers:
-            opt.state.pop(names[name], None)
+            opt.state.pop(p, None)
     if (path / _FRESH).is_file():  # an older checkpoint, with the lr-0 step's state: by place in the list, as it saved them
         _empty([optimizers[i] for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
     return extra

@@ -576,3 +576,24 @@ def test_cuda_generators_restore_on_fewer_visible_devices(monkeypatch):
     restored.clear()
     ckpt.set_rng_state(state)
     assert restored == [(i, i) for i in range(8)]
+
+
+def test_pipeline_chunks_saved_before_their_first_step_load_without_state(tmp_path):
+    """Both stages hold the embedding with MTP modules (a tied copy under one name): loading a
+    save made before the first step left the lr-0 step's state on one of the two copies."""
+    from fmoe.model import PipelineChunk, Transformer, TransformerConfig
+    from fmoe.parallel import pipeline_chunk
+
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_dense=1, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1,
+                            head_dim=8, mtp_depth=1)
+
+    def chunks():
+        parts = [pipeline_chunk(Transformer(cfg), PipelineChunk(stage, 2, range(stage, stage + 1))) for stage in (0, 1)]
+        return parts, [torch.optim.AdamW(part.parameters(), lr=1e-2) for part in parts]
+
+    parts, opts = chunks()
+    assert parts[0].embed is not None and parts[1].embed is not None
+    ckpt.save(tmp_path, 0, model=parts, optimizers=opts)
+    resumed, resumed_opts = chunks()
+    ckpt.load(tmp_path / "step_000000", model=resumed, optimizers=resumed_opts)
+    assert [len(o.state) for o in resumed_opts] == [0, 0]
