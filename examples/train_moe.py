@@ -541,16 +541,17 @@ def main(argv: list[str]) -> None:
     # parameter groups by one helper for every optimizer: no decay on norms, biases, gates;
     # one set of optimizers per part (a pipeline rank's stages each have their own)
     groups = dict(muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
-    optimizers = []
+    optimizers = []  # none for a part with nothing to train (a pipeline stage that --train_only leaves frozen)
     for part in parts:
         if cfg.optimizer == "adamw":
-            optimizers += [AdamW(split_param_groups(part, muon=False, **groups)[1], lr=cfg.lr, state_dtype=state_dtype)]
+            adamw_groups = split_param_groups(part, muon=False, **groups)[1]
+            optimizers += [AdamW(adamw_groups, lr=cfg.lr, state_dtype=state_dtype)] if adamw_groups else []
         elif cfg.optimizer == "muon" and meshes is None:
             optimizers += build_optimizers(part, **groups, ns_dtype=ns_dtype, adamw_cls=functools.partial(AdamW, state_dtype=state_dtype))
         elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
             muon_groups, adamw_groups = split_param_groups(part, **groups)
-            optimizers += [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=part),
-                           AdamW(adamw_groups, lr=cfg.lr, state_dtype=state_dtype)]
+            optimizers += [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=part)] if muon_groups else []
+            optimizers += [AdamW(adamw_groups, lr=cfg.lr, state_dtype=state_dtype)] if adamw_groups else []
         else:
             sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
     for opt in optimizers:  # the schedule scales each group's own lr

@@ -156,6 +156,8 @@ RUNS = {
     "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32", "--check_replicas_every=1"]),
     "pp2xtp2": (4, ["--pp=2", "--tp=2"]),
     "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
+    # --train_only leaving stage 0 (the dense block, the embedding) frozen: that rank has no optimizer to build
+    "pp2-train-only-last-stage": (2, ["--pp=2", "--train_only=blocks[.]1[.]|head", "--optimizer=muon", "--ns_dtype=float32"]),
     # DeepSeek-V3's pieces: multi-latent attention under cp (keys and values gathered), group top-2 routing, MTP norm;
     # and V3.2's sparse attention: each query's 3 keys chosen among every rank's (the indexer's keys gathered too), the
     # indexer's loss each rank's share (logged: index_loss), its target over every tp rank's heads, block 1 reusing
@@ -197,7 +199,7 @@ SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff="
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
               "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
               "--model.qk_norm=", "--whole_documents=", "--model.linear_", "--model.fp8=", "--model.index_", "--model.n_dense=",
-              "--model.shortcut_moe=", "--model.zero_experts=", "--model.hyper_connections=", "--model.hc_", "--model.mtp_depth=")
+              "--model.shortcut_moe=", "--model.zero_experts=", "--model.hyper_connections=", "--model.hc_", "--model.mtp_depth=", "--train_only=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
