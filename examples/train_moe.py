@@ -406,6 +406,12 @@ def main(argv: list[str]) -> None:
     if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):
         sys.exit(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if cfg.cp > 1 else ''}--tp = "
                  f"{(2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp}, got {cfg.tokens_per_micro_batch}")
+    convolves = any(cfg.model.is_linear(i) for i in range(cfg.model.n_layers)) and cfg.model.linear_kind != "lightning"
+    if cfg.cp > 1 and convolves and cfg.tokens_per_micro_batch // (2 * cfg.cp) < cfg.model.linear_conv - 1:
+        # context parallel: the linear blocks' convolution reads its K - 1 tokens before a chunk from one other chunk
+        sys.exit(f"--tokens_per_micro_batch: each of the 2 x --cp = {2 * cfg.cp} chunks must hold the {cfg.model.linear_conv - 1} tokens "
+                 f"the next chunk's convolution reads (--model.linear_conv={cfg.model.linear_conv}): expected at least "
+                 f"{2 * cfg.cp * (cfg.model.linear_conv - 1)}, got {cfg.tokens_per_micro_batch}; use more tokens or fewer cp ranks")
     try:
         mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:

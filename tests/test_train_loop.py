@@ -362,6 +362,10 @@ BAD_KNOBS = [
     (["--model.index_topk=8"], "model knobs: index_topk: DeepSeek sparse attention's indexer reads the q latent of multi-latent attention"),
     (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
     (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),
+    # context parallel: a linear block's convolution reads linear_conv - 1 = 3 tokens of the chunk before (found up front, not in its forward)
+    (["--cp=2", "--tokens_per_micro_batch=8", "--model.linear_layers=0"],
+     "--tokens_per_micro_batch: each of the 2 x --cp = 4 chunks must hold the 3 tokens the next chunk's convolution reads "
+     "(--model.linear_conv=4): expected at least 12, got 8"),
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--steps=0"], "--steps: expected an int >= 1, got 0"),
     (["--eval_every=0"], "--eval_every: expected an int >= 1, got 0"),
