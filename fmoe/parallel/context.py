@@ -188,6 +188,8 @@ def split_batch(batch, cp_rank: int, cp: int) -> TensorDict:
         A TensorDict (batch_size []) with the same keys plus "token_index" (and
         "routed_tokens" with a token_mask), on the batch's device.
     """
+    if not callable(getattr(batch, "keys", None)):
+        raise ValueError(f"batch: expected a mapping of make_batch's entries (a dict or TensorDict), got {type(batch).__name__}")
     keys = list(batch.keys())
     for key in ("input_ids", "cu_seqlens"):
         if key not in keys:

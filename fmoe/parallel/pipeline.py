@@ -290,9 +290,20 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         check_schedule(schedule, virtual)
-        if meshes.pp_mesh is None:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating-point torch.dtype for the hidden states between stages, got {dtype!r}")
+        for name, fn in (("loss_fn", loss_fn), ("parallelize", parallelize), ("materialize", materialize)):
+            if not callable(fn):
+                raise ValueError(f"{name}: expected a callable, got {type(fn).__name__}")
+        if getattr(meshes, "pp_mesh", None) is None:
             raise ValueError("meshes: built without a pipeline axis (build_meshes(pp=...) with pp > 1)")
-        self.schedule_name, self.meshes, self.device = schedule, meshes, torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device: expected a torch.device or its name, got {device!r} ({err})") from None
+        if device.type != meshes.pp_mesh.device_type:
+            raise ValueError(f"device: expected a {meshes.pp_mesh.device_type} device, the meshes' device type, got {device}")
+        self.schedule_name, self.meshes, self.device = schedule, meshes, device
         self.pp, self.virtual = meshes.pp, virtual
         self.n_stages = self.pp * virtual
         if layers_per_stage is None and cfg.shortcut_moe:  # whole shortcut pairs per stage, as even as they go

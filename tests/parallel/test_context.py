@@ -345,6 +345,8 @@ def test_bad_sizes_are_refused_not_padded():
         cp_token_index(16, 0, 0)
     with pytest.raises(ValueError, match="tokens_per_micro_batch"):
         split_batch(make_batch(torch.arange(10), torch.tensor([0, 10])), 0, 2)
+    with pytest.raises(ValueError, match=r"batch: expected a mapping of make_batch's entries \(a dict or TensorDict\), got NoneType"):
+        split_batch(None, 0, 2)  # was an AttributeError
 
 
 def test_split_batch_keeps_cu_seqlens_and_indexes_every_token_field():

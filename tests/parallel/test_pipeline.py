@@ -290,6 +290,34 @@ def test_pipeline_chunk_refuses_a_chunk_outside_the_pipeline(chunk, message):
         pipeline_chunk(model, chunk)
 
 
+def _pipeline(**changed):
+    """A Pipeline built from these arguments (the refusals come before any stage is built: no process group needed)."""
+    from types import SimpleNamespace
+
+    from fmoe.model import TransformerConfig
+    from fmoe.parallel import Pipeline
+
+    meshes = SimpleNamespace(pp=2, pp_mesh=SimpleNamespace(device_type="cpu"))  # a CPU run's meshes, as Pipeline reads them
+    args = dict(cfg=TransformerConfig(**TINY), meshes=meshes, schedule="1f1b", virtual=1, loss_fn=lambda *a: None, tokens=16,
+                device="cpu", dtype=torch.float32, parallelize=lambda m: None, materialize=lambda m: None)
+    return Pipeline(**{**args, **changed})
+
+
+@pytest.mark.parametrize("changed, message", [
+    (dict(dtype=torch.int64), r"dtype: expected a floating-point torch.dtype .*, got torch.int64"),  # was torch's RuntimeError
+    (dict(dtype="bfloat16"), r"dtype: expected a floating-point torch.dtype .*, got 'bfloat16'"),
+    (dict(parallelize=None), r"parallelize: expected a callable, got NoneType"),  # was a TypeError calling None
+    (dict(materialize=0), r"materialize: expected a callable, got int"),
+    (dict(loss_fn="ce"), r"loss_fn: expected a callable, got str"),
+    (dict(device="cuda:0"), r"device: expected a cpu device, the meshes' device type, got cuda:0"),  # was accepted
+    (dict(device="gpu0"), r"device: expected a torch.device or its name, got 'gpu0'"),
+    (dict(meshes=object()), r"meshes: built without a pipeline axis"),  # was an AttributeError
+])
+def test_pipeline_names_a_bad_argument_before_building_a_stage(changed, message):
+    with pytest.raises(ValueError, match=message):
+        _pipeline(**changed)
+
+
 def test_stage_layers_names_sizes_that_are_not_a_sequence():
     from fmoe.parallel import stage_layers
 
