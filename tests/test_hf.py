@@ -4157,8 +4157,8 @@ def test_muse_spark_folders_read_their_latent_moe_residual_gates_and_norms(tmp_p
     blocks (layers 1-3; layer 0 dense) routed in float32 on the scaled logits' sigmoids plus the
     correction bias, renormalised and scaled, the experts' input normed and each expert's
     output normed before its weight; each moves the logits. Its text model loads with
-    transformers' logits (within 2e-5: here transformers' own float32 logits are 2.1e-5 from its
-    float64 ones, fmoe's 2.0e-5), the vision and audio towers unread; written as
+    transformers' logits (within 5e-5: transformers' own float32 logits are 2.1e-5 from its
+    float64 ones, fmoe's 2.0e-5, and the two differ by up to 2.3e-5 as the CPU's kernels round), the vision and audio towers unread; written as
     muse_spark_text and back (_muse_round_trip)."""
     text = _muse_text(moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=24, routed_scaling_factor=1.5,
                       mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
@@ -4167,7 +4167,7 @@ def test_muse_spark_folders_read_their_latent_moe_residual_gates_and_norms(tmp_p
     changes = (dict(residual_gates=False), dict(attn_out_norm=False), dict(norm_overrides=("embed:unit", "final:plain", "attn_post:unit")),
                dict(router_scale=1.0), dict(moe_latent_norm=False),
                dict(expert_out_norm=False))  # (not route_scale: the MLP's post-norm takes any common scale of the routed weights out)
-    cfg, own = _muse_round_trip(tmp_path, "muse_spark", config, changes, tol=2e-5)
+    cfg, own = _muse_round_trip(tmp_path, "muse_spark", config, changes, tol=5e-5)
     assert (cfg.n_dense, cfg.n_experts, cfg.k, cfg.ffn_expert, cfg.moe_latent, cfg.n_shared, cfg.score, cfg.expert_bias, cfg.route_scale) == (
         1, 4, 2, 16, 24, 0, "sigmoid", True, 1.5)
     assert (cfg.router_scale, cfg.residual_gate_temperature, cfg.attn_out_norm, cfg.moe_latent_norm, cfg.expert_out_norm) == (0.7, 0.3, True, True, True)

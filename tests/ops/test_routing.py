@@ -219,7 +219,8 @@ def test_hash_route_of_the_experts_route_chose_is_route(mode, k, device):
     g = torch.randn_like(w)
     (w * g).sum().backward()
     (w_r * g).sum().backward()
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-12)
+    # (an entry whose O(1) terms cancel to about 0 keeps their rounding: 4e-8 apart on some CPUs' kernels)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_hash_route_worked_example_and_table_order():
