@@ -64,7 +64,7 @@ import fmoe.hf
 import fmoe.ops as ops
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_factor, clip_grad_norm, grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
+from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_factor, clip_grad_norm, grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
@@ -406,7 +406,7 @@ def main(argv: list[str]) -> None:
     if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):
         sys.exit(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if cfg.cp > 1 else ''}--tp = "
                  f"{(2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp}, got {cfg.tokens_per_micro_batch}")
-    convolves = any(cfg.model.is_linear(i) for i in range(cfg.model.n_layers)) and cfg.model.linear_kind != "lightning"
+    convolves = any(cfg.model.is_linear(i) for i in range(cfg.model.n_layers)) and cfg.model.linear_attention_config().conv_channels > 0
     if cfg.cp > 1 and convolves and cfg.tokens_per_micro_batch // (2 * cfg.cp) < cfg.model.linear_conv - 1:
         # context parallel: the linear blocks' convolution reads its K - 1 tokens before a chunk from one other chunk
         sys.exit(f"--tokens_per_micro_batch: each of the 2 x --cp = {2 * cfg.cp} chunks must hold the {cfg.model.linear_conv - 1} tokens "
@@ -547,17 +547,15 @@ def main(argv: list[str]) -> None:
     # parameter groups by one helper for every optimizer: no decay on norms, biases, gates;
     # one set of optimizers per part (a pipeline rank's stages each have their own)
     groups = dict(muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
+    adamw = functools.partial(AdamW, state_dtype=state_dtype)
     optimizers = []  # none for a part with nothing to train (a pipeline stage that --train_only leaves frozen)
     for part in parts:
         if cfg.optimizer == "adamw":
             adamw_groups = split_param_groups(part, muon=False, **groups)[1]
-            optimizers += [AdamW(adamw_groups, lr=cfg.lr, state_dtype=state_dtype)] if adamw_groups else []
-        elif cfg.optimizer == "muon" and meshes is None:
-            optimizers += build_optimizers(part, **groups, ns_dtype=ns_dtype, adamw_cls=functools.partial(AdamW, state_dtype=state_dtype))
-        elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
-            muon_groups, adamw_groups = split_param_groups(part, **groups)
-            optimizers += [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=part)] if muon_groups else []
-            optimizers += [AdamW(adamw_groups, lr=cfg.lr, state_dtype=state_dtype)] if adamw_groups else []
+            optimizers += [adamw(adamw_groups, lr=cfg.lr)] if adamw_groups else []
+        elif cfg.optimizer == "muon":  # sharded: each matrix orthogonalised on one rank, the result redistributed
+            muon = Muon if meshes is None else functools.partial(parallel.DistributedMuon, model=part)
+            optimizers += build_optimizers(part, **groups, ns_dtype=ns_dtype, muon_cls=muon, adamw_cls=adamw)
         else:
             sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
     for opt in optimizers:  # the schedule scales each group's own lr

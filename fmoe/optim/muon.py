@@ -304,13 +304,16 @@ def split_param_groups(
 def build_optimizers(
     model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
     adamw_patterns: Union[str, Iterable[str]] = ADAMW_PATTERNS, adamw_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
-    decay_embeddings: bool = True, **muon_kwargs,
+    decay_embeddings: bool = True, muon_cls: Callable[..., torch.optim.Optimizer] = Muon, **muon_kwargs,
 ) -> list[torch.optim.Optimizer]:
-    """[Muon, AdamW] over `model` as split by split_param_groups (either left out if empty).
+    """[Muon, AdamW] over `model` as split by split_param_groups (either left out if empty:
+    a model, or a pipeline stage, with nothing to train gets none).
 
     The train loop calls step() and zero_grad() on each. `adamw_cls` builds the AdamW from
     its param groups (e.g. functools.partial(torch.optim.AdamW, betas=(0.9, 0.95)), or
-    fmoe's AdamW); `muon_kwargs` go to Muon (momentum, nesterov, ns_steps, scale, ns_dtype).
+    fmoe's AdamW); `muon_cls` the Muon (e.g. functools.partial(fmoe.parallel.DistributedMuon,
+    model=model) for a sharded model); `muon_kwargs` go to it (momentum, nesterov, ns_steps,
+    scale, ns_dtype).
     """
     muon_groups, adamw_groups = split_param_groups(
         model, muon_lr=muon_lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_patterns=adamw_patterns,
@@ -318,7 +321,7 @@ def build_optimizers(
     )
     optimizers = []
     if muon_groups:
-        optimizers.append(Muon(muon_groups, lr=muon_lr, **muon_kwargs))
+        optimizers.append(muon_cls(muon_groups, lr=muon_lr, **muon_kwargs))
     if adamw_groups:
         optimizers.append(adamw_cls(adamw_groups, lr=adamw_lr))
     return optimizers

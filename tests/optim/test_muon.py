@@ -342,6 +342,25 @@ def test_split_param_groups_by_name_pattern():
     assert _ids(muon)[0] == {id(model["proj"].weight), id(model["lm_head"].weight)}
 
 
+def test_build_optimizers_builds_muon_by_muon_cls_and_leaves_out_an_empty_side():
+    """muon_cls (DistributedMuon for a sharded model) gets the matrices' groups, lr and muon_kwargs; a model with nothing
+    for one side gets no optimizer for it, and a frozen one none at all (a pipeline stage --train_only leaves out)."""
+    model = nn.ModuleDict(dict(proj=nn.Linear(4, 3), norm=nn.LayerNorm(3)))
+    built = []
+
+    def muon_cls(groups, **kwargs):
+        built.append(kwargs)
+        return Muon(groups, **kwargs)
+
+    optimizers = build_optimizers(model, muon_lr=0.05, adamw_lr=1e-3, muon_cls=muon_cls, ns_steps=3)
+    assert [type(o) for o in optimizers] == [Muon, torch.optim.AdamW] and built == [dict(lr=0.05, ns_steps=3)]
+    assert {id(p) for g in optimizers[0].param_groups for p in g["params"]} == {id(model["proj"].weight)}
+    model["proj"].weight.requires_grad_(False)
+    assert [type(o) for o in build_optimizers(model, muon_cls=muon_cls)] == [torch.optim.AdamW] and len(built) == 1
+    model.requires_grad_(False)
+    assert build_optimizers(model, muon_cls=muon_cls) == []
+
+
 def test_muon_and_adamw_train_a_moe():
     torch.manual_seed(0)
     model = MoE(32, 16, MoEConfig(n_experts=4, k=2, impl="torch"))
