@@ -138,8 +138,19 @@ def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool)
         u = v32[:, t] if beta is None else beta32[:, t, :, None] * (v32[:, t] - torch.einsum("bnkv,bnk->bnv", S, k32[:, t]))
         S = S + k32[:, t, :, :, None] * u[:, :, None, :]
         outs.append(torch.einsum("bnkv,bnk->bnv", S, scale * q32[:, t]))
-    o = (torch.stack(outs, 1) if outs else v32.new_zeros(B, 0, N, Dv)).to(v.dtype)
+    if not outs:
+        return _no_tokens(q, k, v, g, beta, S, final_state)
+    o = torch.stack(outs, 1).to(v.dtype)
     return (o, S) if final_state else o
+
+
+def _no_tokens(q, k, v, g, beta, state, final_state: bool):
+    """T = 0: the empty output [B, 0, N, Dv] in v's dtype, in the graph of every input (their
+    gradients: empty), and with final_state a copy of the state it starts from (never the
+    caller's initial_state itself)."""
+    none = sum(x.sum() for x in (q, k, v, g, beta) if x is not None)  # 0 over no token, carrying each input's graph
+    o = v.new_zeros(v.shape[0], 0, v.shape[2], v.shape[3]) + none.to(v.dtype)
+    return (o, state.clone()) if final_state else o
 
 
 # ----------------------------------------------------------------------------------------
@@ -437,8 +448,7 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
     Dv = v.shape[-1]
     state_BNKV = torch.zeros(B, N, Dk, Dv, device=q.device) if initial_state is None else initial_state.float()
     if T == 0:
-        o = v.new_zeros(B, 0, N, Dv)
-        return (o, state_BNKV) if final_state else o
+        return _no_tokens(q, k, v, g, beta, state_BNKV, final_state)
     C = min(chunk_size, T)
     M = -(-T // C)
     pad = M * C - T

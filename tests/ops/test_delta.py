@@ -168,6 +168,24 @@ def test_a_zero_decay_forgets_the_state_as_the_loop_does(channels, rule):
         torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_loop, gated_linear_attention, gated_linear_attention_loop])
+def test_no_tokens_stay_in_the_graph(fn):
+    """T = 0: an empty output in v's dtype that still needs a gradient (backward runs and
+    gives each input an empty one; it used to be detached, so .backward() failed), and a final
+    state that is a copy of the initial one, its gradient passed through."""
+    q, k, v, g, beta = _inputs(1, 0, 2, 4, 3, requires_grad=True)
+    args = (q, k, v, g, beta) if fn in (gated_delta_rule, gated_delta_rule_loop) else (q, k, v, g)
+    o = fn(*args)
+    assert o.shape == (1, 0, 2, 3) and o.dtype == v.dtype and o.requires_grad
+    o.sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in args)
+    s0 = torch.randn(1, 2, 4, 3, requires_grad=True)
+    o, state = fn(*(x.detach() for x in args), initial_state=s0, final_state=True)
+    assert state is not s0 and torch.equal(state, s0) and o.shape == (1, 0, 2, 3)
+    (state * 2).sum().backward()
+    assert torch.equal(s0.grad, torch.full_like(s0, 2.0))
+
+
 def test_dtypes_and_scale():
     """bf16 inputs compute in float32 and return bf16; scale multiplies the queries."""
     q, k, v, g, beta = _inputs(1, 20, 2, 8, 4, seed=4)

@@ -17,6 +17,16 @@ def _inputs(B, T, C, N, seed=0, dtype=torch.float32):
             torch.randn(B, T, N, generator=g).to(dtype)]
 
 
+@pytest.mark.parametrize("fn", [selective_scan, selective_scan_loop])
+def test_no_tokens_stay_in_the_graph(fn):
+    """T = 0: y [B, 0, C] needs a gradient, so backward runs (it used to be detached)."""
+    inputs = [x.requires_grad_() for x in _inputs(2, 0, 3, 4)]
+    y = fn(*inputs)
+    assert y.shape == (2, 0, 3) and y.requires_grad
+    y.sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in inputs)
+
+
 def test_worked_example():
     """One channel, one state channel, b = c = 1, A = -ln 2 (decay 0.5 per unit of dt), dt = 1:
     u = (2, 4) gives y = (2, 0.5 * 2 + 4 = 5); a second document restarts: u = 3 gives 3, the
