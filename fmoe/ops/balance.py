@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_cu_seqlens, check_experts, check_expert_ids, check_float, check_index, check_positive_int, check_token_mask, checking
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_device, check_experts, check_expert_ids, check_float, check_index, check_positive_int, check_token_mask, checking
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.routing import Routes, keep_slots, sqrt_softplus, sqrt_softplus_tl
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
@@ -332,14 +332,19 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
     return (scores, experts, counts) if return_counts else (scores, experts)
 
 
+def _check_count_dtype(counts: torch.Tensor) -> None:
+    if counts.dtype == torch.bool or counts.is_complex():
+        raise ValueError(f"counts: expected int or float counts, got {counts.dtype}")
+
+
 def _check_scores_counts(scores, counts):
     check_float("scores", scores, 2, "[T, E]")
     check_experts("scores", scores)
     E = scores.shape[1]
     if not isinstance(counts, torch.Tensor) or counts.shape != (E,):
         raise ValueError(f"counts: expected a tensor of shape ({E},), got {getattr(counts, 'shape', type(counts).__name__)}")
-    if counts.dtype == torch.bool or counts.is_complex():
-        raise ValueError(f"counts: expected int or float counts, got {counts.dtype}")
+    _check_count_dtype(counts)
+    check_device("counts", counts, scores.device, "scores")
 
 
 def load_balancing_loss(
@@ -364,7 +369,7 @@ def load_balancing_loss(
     Returns: 0-D float32 tensor.
     """
     _check_scores_counts(scores, counts)
-    check_positive_int("k", k)
+    check_positive_int("k", k, 1, scores.shape[1])
     if isinstance(n_tokens, torch.Tensor):
         if n_tokens.numel() != 1:
             raise ValueError(f"n_tokens: expected an int or a 1-element tensor, got shape {tuple(n_tokens.shape)}")
@@ -419,12 +424,13 @@ def seq_load_balancing_loss(
     check_experts("scores", scores)
     T, E = scores.shape
     check_index("experts", experts, 2, "[T, k]")
-    check_positive_int("k", k)
+    check_positive_int("k", k, 1, E)
     if experts.shape != (T, k):
         raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
+    check_device("experts", experts, scores.device, "scores")
     check_token_mask("mask", mask, T)
     check_cu_seqlens(cu_seqlens, T, check=check)
-    if checking(check):
+    if checking(check, experts):
         check_expert_ids("experts", experts, E)
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
@@ -497,7 +503,9 @@ def update_expert_bias(
     center=True subtracts the mean of the update. proportional=True steps by the relative
     error instead of its sign, rate * (mean - counts) / mean: large steps far from balance,
     small ones near it (a proportional controller, where the sign rule always steps by
-    rate). Returns a new tensor.
+    rate). A NaN or infinite count (a broken reduction over ranks) makes every expert's
+    update NaN rather than leaving the bias as it was: route(check=True) then names the
+    NaN bias. Returns a new tensor.
 
     Example: counts [10, 2, 6, 6], rate 1e-3 -> update [-1e-3, +1e-3, 0, 0]; proportional:
     [-6.67e-4, +6.67e-4, 0, 0].
@@ -506,12 +514,14 @@ def update_expert_bias(
         raise ValueError(f"bias: expected a 1-D float32 tensor [E], got {getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
     if not isinstance(counts, torch.Tensor) or counts.shape != bias.shape:
         raise ValueError(f"counts: expected a tensor of shape {tuple(bias.shape)}, got {getattr(counts, 'shape', type(counts).__name__)}")
+    _check_count_dtype(counts)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate < math.inf):
         raise ValueError(f"rate: expected a finite number >= 0, got {rate!r}")
     check_bools(center=center, proportional=proportional)
     c = counts.to(device=bias.device, dtype=torch.float32)
     mean = c.mean()
-    delta = ((mean - c) / mean.clamp(min=1e-9) if proportional else torch.sign(mean - c)) * rate
+    gap = torch.where(mean.isfinite(), mean - c, torch.nan)  # a NaN or infinite count: NaN for all (torch.sign(NaN) is 0: kept below)
+    delta = (gap / mean.clamp(min=1e-9) if proportional else torch.where(gap.isnan(), gap, torch.sign(gap))) * rate
     if center:
         delta = delta - delta.mean()
     return bias + delta
@@ -544,8 +554,7 @@ def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[
     if not isinstance(counts, torch.Tensor) or counts.ndim not in (1, 2) or counts.shape[-1] == 0:
         got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
         raise ValueError(f"counts: expected a tensor [E] or [L, E] with E >= 1, got {got}")
-    if counts.dtype == torch.bool or counts.is_complex():
-        raise ValueError(f"counts: expected int or float counts, got {counts.dtype}")
+    _check_count_dtype(counts)
     if isinstance(n_slots, torch.Tensor):
         if n_slots.ndim != 0:
             raise ValueError(f"n_slots: expected an int or a 0-D tensor, got shape {tuple(n_slots.shape)}")

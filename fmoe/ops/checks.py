@@ -7,7 +7,8 @@ tensor on the host: one device->host sync each. One rule for every op:
 
 - a public op that reads values to validate them takes a keyword-only `check: bool = True`;
 - check=False skips exactly those value reads, nothing else;
-- value checks never run while torch.compile traces (`checking()`): a read breaks the graph.
+- value checks never run while torch.compile traces (`checking()`): a read breaks the graph;
+  nor on tensors that hold no values (the meta device, a model before it is materialized).
 
 The ops with `check`: route (NaN logits), drop_by_capacity and permute (expert ids in
 -1..E-1), grouped_mlp (offsets), cross_entropy and linear_cross_entropy (labels), and
@@ -27,10 +28,17 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def checking(check: bool = True) -> bool:
-    """Whether value checks that need a device->host sync run: asked for (an op's `check`)
-    and not while torch.compile traces."""
-    return check and not torch.compiler.is_compiling()
+def checking(check: bool = True, *tensors) -> bool:
+    """Whether value checks that need a device->host sync run: asked for (an op's `check`),
+    not while torch.compile traces, and none of the tensors to be read (None: left out) is on
+    the meta device (shapes without values: nothing to read)."""
+    return check and not torch.compiler.is_compiling() and not any(t is not None and t.is_meta for t in tensors)
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device, like: str = "") -> None:
+    """t on `device` (like: the argument that sets it, named in the error), or a ValueError."""
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}{f' like {like}' if like else ''}, got {t.device}")
 
 
 def check_float(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
@@ -46,7 +54,7 @@ def check_float(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
 
 def check_no_nan(name: str, x: torch.Tensor) -> None:
     """Raise if x holds a NaN, naming the first offending row. One device->host sync."""
-    if not checking():
+    if not checking(True, x):
         return
     bad = torch.isnan(x)
     if bad.any():
@@ -98,7 +106,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_se
     check_index(name, cu_seqlens, 1, "[n_seqs + 1]")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name}: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
-    if not checking(check):
+    if not checking(check, cu_seqlens):
         return
     c = cu_seqlens.detach().cpu()
     if int(c[0]) != 0:

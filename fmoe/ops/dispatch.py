@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_expert_ids, check_float, check_index, check_positive_int, checking
+from fmoe.ops.checks import check_device, check_expert_ids, check_float, check_index, check_positive_int, checking
 
 
 class PermutePlan(NamedTuple):
@@ -538,11 +538,6 @@ _unpermute_fwd.register_autograd(_unpermute_backward, setup_context=_unpermute_s
 # ----------------------------------------------------------------------------------------
 
 
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-
-
 def permute(
     x: torch.Tensor, experts: torch.Tensor, n_experts: int, *, align: int = 1, check: bool = True, impl: str = "auto"
 ) -> tuple[torch.Tensor, PermutePlan]:
@@ -577,11 +572,11 @@ def permute(
     check_index("experts", experts, 2, "[T, k]")
     if experts.shape[0] != x.shape[0]:
         raise ValueError(f"experts: expected {x.shape[0]} rows, one per token of x, got shape {tuple(experts.shape)}")
-    _check_device("experts", experts, x.device)
+    check_device("experts", experts, x.device)
     check_positive_int("n_experts", n_experts)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: expected a positive integer (rows per expert group are padded to a multiple of it), got {align!r}")
-    if checking(check):
+    if checking(check, experts):
         check_expert_ids("experts", experts, n_experts)
     if use_triton(impl, x, experts):
         plan = PermutePlan(*_permute_plan(experts, n_experts, align))
@@ -615,13 +610,13 @@ def unpermute(
     check_float("y_perm", y_perm, 2, "[R, H]")  # no size in the text: formatting one specialises it under compile
     if y_perm.shape[0] != R:
         raise ValueError(f"y_perm: expected the plan's {R} rows, got shape {tuple(y_perm.shape)}")
-    _check_device("y_perm", y_perm, plan.row_of_slot.device)
+    check_device("y_perm", y_perm, plan.row_of_slot.device)
     tensors = [y_perm, plan.row_of_slot, plan.slot_of_row]
     if weights is not None:
         check_float("weights", weights, 2, "[T, k]")
         if weights.shape != (T, K):
             raise ValueError(f"weights: expected the plan's shape ({T}, {K}), got {tuple(weights.shape)}")
-        _check_device("weights", weights, y_perm.device)
+        check_device("weights", weights, y_perm.device)
         tensors.append(weights)
     if use_triton(impl, *tensors):
         return _unpermute_fwd(y_perm, plan.row_of_slot, plan.slot_of_row, weights)

@@ -681,7 +681,7 @@ def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, 
         raise ValueError(f"offsets: expected int32 [E] = ({E},) cumulative ends of the experts' rows, got {got}")
     if offsets.device != x_perm.device:
         raise ValueError(f"offsets: expected device {x_perm.device} like x_perm, got {offsets.device}")
-    if not checking(check):
+    if not checking(check, offsets):
         return
     ends = offsets.tolist()  # one device->host sync
     for e, (lo, hi) in enumerate(zip([0] + ends, ends)):
@@ -798,7 +798,7 @@ def grouped_mlp(
     if use_triton(impl, x_perm, w_up, w_down, offsets):
         torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F) and (not fp8 or (H % 16 == 0 and F % 16 == 0))
         return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu, fp8)
-    if impl == "auto" and x_perm.device.type == "cpu":
+    if impl == "auto" and x_perm.device.type in ("cpu", "meta"):  # meta: shapes only (the loop below reads offsets)
         return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
     return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
 
@@ -837,7 +837,7 @@ def grouped_matmul(x_perm: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     _check_offsets(offsets, E, R, x_perm, check)
     if use_triton(impl, x_perm, w, offsets):
         return _grouped_gemm_fwd(x_perm, w, offsets, impl == "auto" and _grouped_mm_fast(x_perm, N), FP8_OFF)
-    if impl == "auto" and x_perm.device.type == "cpu":  # torch._grouped_mm wants 16-byte aligned rows: zero columns added, cut after
+    if impl == "auto" and x_perm.device.type in ("cpu", "meta"):  # torch._grouped_mm wants 16-byte aligned rows: zero columns added, cut after
         multiple = 16 // x_perm.element_size()
         pad_K, pad_N = -K % multiple, -N % multiple
         if pad_K or pad_N:

@@ -472,7 +472,7 @@ def _check_softcap(softcap) -> float:
 
 def _check_label_values(labels, n_classes, ignore_index, check):
     """Labels lie in [0, V) or equal ignore_index. One device->host sync."""
-    if not checking(check):
+    if not checking(check, labels):
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_classes))
     if bad.any():

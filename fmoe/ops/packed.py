@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_cu_seqlens, check_index, check_positive_int
+from fmoe.ops.checks import check_cu_seqlens, check_device, check_index, check_positive_int
 
 if TYPE_CHECKING:  # imported where used: tensordict's import brings torch._dynamo, a second at `import fmoe.ops`
     from tensordict import TensorDict
@@ -377,6 +377,7 @@ def mtp_targets(
         loss_mask = torch.ones(T, dtype=torch.bool, device=tokens.device)
     elif not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (T,):
         raise ValueError(f"loss_mask: expected a tensor of shape ({T},), got {getattr(loss_mask, 'shape', type(loss_mask).__name__)}")
+    check_device("loss_mask", loss_mask, tokens.device, "tokens")
     check_cu_seqlens(cu_seqlens, T, check=check)
     if positions is None:
         positions = positions_ref(cu_seqlens.to(tokens.device), T)
@@ -384,6 +385,7 @@ def mtp_targets(
         check_index("positions", positions, 1, "[T]")
         if positions.shape != (T,):
             raise ValueError(f"positions: expected shape ({T},), got {tuple(positions.shape)}")
+        check_device("positions", positions, tokens.device, "tokens")
     _check_fill(ignore_index, tokens.dtype, "ignore_index", "tokens")  # the labels' fill
     cu = cu_seqlens.to(tokens.device)
 

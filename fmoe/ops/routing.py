@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_expert_ids, check_experts, check_float, check_index, check_no_nan, check_positive_int, checking
+from fmoe.ops.checks import check_bools, check_device, check_expert_ids, check_experts, check_float, check_index, check_no_nan, check_positive_int, checking
 from fmoe.ops.dispatch import slot_ranks
 from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc, sort_key
 
@@ -546,7 +546,7 @@ def route(
     scale = _check_scale(scale)
     if check:
         check_no_nan("logits", logits)
-        if expert_bias is not None and checking() and expert_bias.isnan().any():
+        if expert_bias is not None and checking(True, expert_bias) and expert_bias.isnan().any():
             raise ValueError(f"expert_bias: contains NaN at experts {expert_bias.isnan().nonzero().flatten().tolist()}; a NaN bias "
                              "cannot rank the experts")
 
@@ -554,7 +554,7 @@ def route(
         routes = Routes(*_route_fwd(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits))
     else:
         routes = route_ref(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
-    if check and checking():  # an infinite logit: NaN (or inf) weights where the score normalizes (a softmax over +inf)
+    if checking(check, logits):  # an infinite logit: NaN (or inf) weights where the score normalizes (a softmax over +inf)
         bad = ~torch.isfinite(routes.weights).all(dim=1)
         if bad.any():
             rows = bad.nonzero().flatten()
@@ -619,7 +619,7 @@ def hash_route(
             raise ValueError(f"{name}: expected device {logits.device}, got {t.device}")
     code = _score_code(score, False, normalize)
     scale = _check_scale(scale)
-    if checking(check):
+    if checking(check, logits, token_ids, table):
         check_no_nan("logits", logits)
         ids = token_ids.detach().cpu()
         if T and (ids.min() < 0 or ids.max() >= V):
@@ -698,6 +698,7 @@ def _check_routes(routes) -> tuple[torch.Tensor, torch.Tensor]:
     check_index("routes.experts", experts_TK, 2, "[T, k]")
     if experts_TK.shape != weights_TK.shape:
         raise ValueError(f"routes: weights {tuple(weights_TK.shape)} and experts {tuple(experts_TK.shape)} differ in shape")
+    check_device("routes.experts", experts_TK, weights_TK.device, "routes.weights")
     return weights_TK, experts_TK
 
 
@@ -761,7 +762,7 @@ def drop_by_capacity(
         raise ValueError(f"capacity_factor: expected a positive finite number, got {capacity_factor!r}")
     if policy not in ("probs", "position"):
         raise ValueError(f"policy: expected 'probs' or 'position', got {policy!r}")
-    if checking(check):
+    if checking(check, experts_TK):
         check_expert_ids("routes.experts", experts_TK, n_experts)
 
     T, k = weights_TK.shape

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import ieee_dot, next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_index, checking
+from fmoe.ops.checks import check_device, check_float, check_index, checking
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference
@@ -496,7 +496,7 @@ def _check_inputs(q, kv, index) -> tuple[int, int, int]:
 
 def _check_keys(index: torch.Tensor, S: int, check: bool) -> None:
     """index's values in -1 .. S-1 (one device->host sync), where checking(check)."""
-    if checking(check) and index.numel():
+    if checking(check, index) and index.numel():
         lo, hi = int(index.min()), int(index.max())
         if lo < -1 or hi >= S:
             raise ValueError(f"index: expected keys in 0 .. S-1 = {S - 1} or -1 (an empty slot), got values in {lo} .. {hi} "
@@ -557,6 +557,7 @@ def sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tenso
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (T, N):
         raise ValueError(f"lse: expected sparse_attention's float32 [{T}, {N}], got {getattr(lse, 'dtype', type(lse).__name__)} "
                          f"{list(getattr(lse, 'shape', []))}")
+    check_device("lse", lse, q.device, "q")
     v_dim, scale = _check_dims(D, v_dim, scale)
     _check_keys(index, kv.shape[0], check)
     with torch.no_grad():

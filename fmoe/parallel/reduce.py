@@ -228,7 +228,7 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
         check_index("token_index", token_index, 1, "[T_local]")
         if token_index.shape != (T_local,):
             raise ValueError(f"token_index: expected shape ({T_local},) to match scores, got {tuple(token_index.shape)}")
-    if checking(check):  # reading T is a host sync: skipped under torch.compile, like check_cu_seqlens
+    if checking(check, cu_seqlens, token_index):  # reading T is a host sync: skipped under torch.compile, like check_cu_seqlens
         total = int(cu_seqlens[-1])
         check_cu_seqlens(cu_seqlens, total)
         if start is not None and start + T_local > total:

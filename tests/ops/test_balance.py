@@ -174,6 +174,8 @@ def test_switch_loss_bad_inputs():
     _raises(r"counts: expected a tensor of shape \(3,\)", F.load_balancing_loss, s, torch.ones(4), k=1, n_tokens=4)
     _raises(r"n_tokens: expected >= 1, got 0", F.load_balancing_loss, s, torch.ones(3), k=1, n_tokens=0)
     _raises("k: expected", F.load_balancing_loss, s, torch.ones(3), k=0, n_tokens=4)
+    _raises(r"k: expected 1\.\.3, got 4", F.load_balancing_loss, s, torch.ones(3), k=4, n_tokens=4)  # as route and aux_scores
+    _raises(r"k: expected 1\.\.3, got 4", F.seq_load_balancing_loss, s, torch.zeros(4, 4, dtype=torch.long), torch.tensor([0, 4]), k=4)
     _raises("n_tokens: expected an int or a 1-element", F.load_balancing_loss, s, torch.ones(3), k=1, n_tokens=torch.ones(2))
 
 
@@ -446,6 +448,19 @@ def test_update_expert_bias_bad_inputs():
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(2, 2), torch.ones(4), 1e-3)
     _raises(r"counts: expected a tensor of shape \(4,\)", F.update_expert_bias, torch.zeros(4), torch.ones(3), 1e-3)
     _raises("rate: expected a finite number >= 0", F.update_expert_bias, torch.zeros(4), torch.ones(4), -1.0)
+    _raises("counts: expected int or float counts, got torch.bool", F.update_expert_bias, torch.zeros(3), torch.tensor([True, False, True]), 1e-3)
+
+
+@pytest.mark.parametrize("proportional", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_update_expert_bias_of_a_nan_count_is_nan(bad, proportional):
+    """A NaN or infinite count (a broken reduction) poisons the update instead of freezing
+    it: torch.sign(NaN) is 0, so the sign rule used to return the bias unchanged, silently.
+    route(check=True) then names the NaN bias."""
+    bias = F.update_expert_bias(torch.zeros(4), torch.tensor([10.0, 2.0, 6.0, bad]), 1e-3, proportional=proportional)
+    assert bias.isnan().all()
+    with pytest.raises(ValueError, match="expert_bias: contains NaN"):
+        F.route(torch.randn(3, 4), 2, score="sigmoid", expert_bias=bias)
 
 
 # ---------------------------------------------------------------------------- load stats

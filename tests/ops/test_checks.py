@@ -202,6 +202,59 @@ def test_checks_are_skipped_while_compiling():
     assert compiled(torch.rand(2, 2), experts).tolist() == [[0, 1], [2, -1]]
 
 
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+META_CALLS = {  # the default check=True on tensors with no values (a model built on the meta device)
+    "route": lambda: F.route(_meta(T, E), K).weights,
+    "hash_route": lambda: F.hash_route(_meta(T, E), _meta(T, dtype=torch.long), _meta(5, K, dtype=torch.long)).weights,
+    "drop_by_capacity": lambda: F.drop_by_capacity(F.Routes(_meta(T, K), _meta(T, K, dtype=torch.long)), E, 1.0).experts,
+    "permute": lambda: F.permute(_meta(T, H), _meta(T, K, dtype=torch.long), E)[0],
+    "cross_entropy": lambda: F.cross_entropy(_meta(T, 10), _meta(T, dtype=torch.long)),
+    "linear_cross_entropy": lambda: F.linear_cross_entropy(_meta(T, H), _meta(10, H), _meta(T, dtype=torch.long)),
+    "seq_load_balancing_loss": lambda: F.seq_load_balancing_loss(_meta(T, E), _meta(T, K, dtype=torch.long),
+                                                                 _meta(3, dtype=torch.int32), k=K),
+    "roll_packed": lambda: F.roll_packed(_meta(T, H), _meta(3, dtype=torch.int32)),
+    "sparse_attention": lambda: F.sparse_attention(_meta(T, 2, 8), _meta(5, 8), _meta(T, 3, dtype=torch.long), v_dim=4)[0],
+    # "auto" on meta: torch._grouped_mm's shapes (the per-expert loop would read offsets)
+    "grouped_mlp": lambda: F.grouped_mlp(_meta(T, H), _meta(E, H, 8), _meta(E, H, 8), _meta(E, 8, H), _meta(E, dtype=torch.int32)),
+    "grouped_matmul": lambda: F.grouped_matmul(_meta(T, H), _meta(E, H, 8), _meta(E, dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("name", META_CALLS)
+def test_check_true_reads_no_value_of_a_meta_tensor(name):
+    """Value checks skip tensors on the meta device (nothing to read) instead of failing in
+    .item() / .tolist() ("cannot be called on meta tensors"); the op's shapes still come out."""
+    out = META_CALLS[name]()
+    assert out.is_meta
+
+
+def test_checking_names_the_meta_tensors_only():
+    assert F.checks.checking(True, torch.ones(1), None) and not F.checks.checking(True, torch.ones(1), _meta(1))
+    assert not F.checks.checking(False, torch.ones(1))
+
+
+MIXED_DEVICES = [  # an op's second tensor on another device than the first: a ValueError naming it
+    ("counts", lambda: F.load_balancing_loss(torch.rand(T, E), _meta(E), k=K, n_tokens=T)),
+    ("experts", lambda: F.seq_load_balancing_loss(torch.rand(T, E), _meta(T, K, dtype=torch.long), _cu(), k=K, check=False)),
+    ("routes.experts", lambda: F.drop_by_capacity(F.Routes(torch.rand(T, K), _meta(T, K, dtype=torch.long)), E, 1.0, check=False)),
+    ("routes.experts", lambda: F.split_zero_experts(F.Routes(torch.rand(T, K), _meta(T, K, dtype=torch.long)), E)),
+    ("lse", lambda: F.sparse_attention_probs(torch.randn(T, 2, 8), torch.randn(5, 8), torch.randint(-1, 5, (T, 3)), _meta(T, 2), v_dim=4)),
+    ("positions", lambda: F.mtp_targets(torch.randint(0, 50, (T,)), _cu(), 1, positions=_meta(T, dtype=torch.long))),
+    ("loss_mask", lambda: F.mtp_targets(torch.randint(0, 50, (T,)), _cu(), 1, loss_mask=_meta(T, dtype=torch.bool))),
+]
+
+
+@pytest.mark.parametrize("name, call", MIXED_DEVICES, ids=[f"{i}-{n}" for i, (n, _) in enumerate(MIXED_DEVICES)])
+def test_tensors_on_another_device_are_named(name, call):
+    """Before, these failed in a torch kernel ("not on the expected device") or, for
+    mtp_targets, came back as TensorDicts holding tensors of two devices."""
+    with pytest.raises(ValueError, match=rf"^{name}: expected device cpu like [\w.]+, got meta"):
+        call()
+
+
 # ---------------------------------------------------------------------------- a MoE step
 
 
