@@ -238,6 +238,7 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", xielu: tuple[float, float] = XIELU,
                  bias: bool = False, limit: Optional[float] = None, alpha: float = 1.0, offset: float = 0.0, device=None, dtype=None):
         super().__init__()
+        check_positive_int("hidden", hidden), check_positive_int("ffn", ffn)
         kw = dict(device=device, dtype=dtype)
         self.impl, self.fp8, self.act, self.limit, self.alpha, self.offset = impl, fp8, act, limit, alpha, offset
         self.w_gate = None if act in PLAIN_ACTS else nn.Parameter(torch.empty(hidden, ffn, **kw))
@@ -283,6 +284,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, n_experts: int, hidden: int, ffn: int, cfg: MoEConfig, *, biases: bool = False, device=None, dtype=None):
         super().__init__()
+        check_positive_int("n_experts", n_experts), check_positive_int("hidden", hidden), check_positive_int("ffn", ffn)
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
         self.dispatcher = None
@@ -389,6 +391,7 @@ class MoE(KeepsFloat32):
         hash_vocab: int = 0, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
+        check_positive_int("hidden", hidden), check_positive_int("ffn", ffn), check_positive_int("shared_ffn", shared_ffn, 0)
         if shared_gate and not shared_ffn:
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
         if latent_norm and not latent:

@@ -606,6 +606,24 @@ def test_module_bad_config():
         MoE(H, FFN, MoEConfig(n_experts=4, k=2), shared_gate=True)
 
 
+def test_modules_name_a_bad_size():
+    """Sizes are ints >= 1 (shared_ffn >= 0, 0: none). Before, a negative one failed in
+    torch.empty ("negative dimension"), a float in its TypeError, and ffn=0 built experts
+    whose output is always 0 while the stats counted their slots."""
+    from fmoe.model import DenseMLP, GroupedExperts
+
+    cfg = MoEConfig(n_experts=4, k=2)
+    for build, said in ((lambda: MoE(H, 0, cfg), "ffn: expected >= 1, got 0"), (lambda: MoE(-1, FFN, cfg), "hidden: expected >= 1, got -1"),
+                        (lambda: MoE(H, 2.0, cfg), "ffn: expected an int, got 2.0"),
+                        (lambda: MoE(H, FFN, cfg, shared_ffn=-1), "shared_ffn: expected >= 0, got -1"),
+                        (lambda: DenseMLP(H, -1, "auto"), "ffn: expected >= 1, got -1"), (lambda: DenseMLP(0, FFN, "auto"), "hidden: expected >= 1, got 0"),
+                        (lambda: GroupedExperts(0, H, FFN, cfg), "n_experts: expected >= 1, got 0"),
+                        (lambda: GroupedExperts(4, H, 0, cfg), "ffn: expected >= 1, got 0")):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+            build()
+    assert MoE(H, FFN, cfg, shared_ffn=0).shared is None
+
+
 def test_moe_config_refuses_at_construction_what_moe_would_refuse_at_its_first_call():
     for kw, said in ((dict(k=0), "k: expected 1..8, got 0"), (dict(k=9), "k: expected 1..8, got 9"), (dict(k=2.0), "k: expected an int, got 2.0"),
                      (dict(score="bogus"), "score: expected one of softmax, sigmoid, sqrtsoftplus, sparsemixer, got 'bogus'"),
