@@ -3913,16 +3913,24 @@ class Family:
     def kwargs(self, hf: dict) -> dict:
         """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
         transformers' own, those it leaves out at transformers' defaults; ValueError naming a
-        field it lacks that has none."""
+        field it lacks that has none. A refusal of a field read through its alias names the
+        alias, the name the file holds (GPT-2's activation_function, not hidden_act)."""
         hf = dict(hf)
+        read_as = {}
         for field, alias in self.aliases.items():
             if field not in hf and alias in hf:
-                hf[field] = hf[alias]
+                hf[field], read_as[field] = hf[alias], alias
         defaults = self.defaults if "rope_scaling" not in hf else {k: v for k, v in self.defaults.items() if k != "rope_parameters"}
         try:
             return self.config_to_fmoe({**defaults, **hf})
         except KeyError as err:
             raise ValueError(f"config.json: a {hf.get('model_type')} config without {err.args[0]} is not supported") from None
+        except ValueError as err:
+            said = str(err)
+            for field, alias in read_as.items():
+                if said.startswith(f"config.json: {field} "):
+                    raise ValueError(f"config.json: {alias} {said.removeprefix(f'config.json: {field} ')}") from None
+            raise
 
 
 _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block

@@ -3741,7 +3741,7 @@ def test_exaone_reads_its_released_names_and_llama3_rope(folders, tmp_path):
         unscaled = hf.Transformer(dataclasses.replace(cfg, llama3_factor=None))
         unscaled.load_state_dict(model.state_dict())
         assert _rel(unscaled.logits(ids, cu), _their_logits(ref, docs)) > 1e-3  # the scaling matters at these positions
-    with pytest.raises(ValueError, match=r"config.json: hidden_act = 'gelu' is not supported \(SwiGLU with silu only\)"):
+    with pytest.raises(ValueError, match=r"config.json: activation_function = 'gelu' is not supported \(SwiGLU with silu only\)"):
         hf.FAMILIES["exaone"].kwargs(dict(released, activation_function="gelu"))
 
 
@@ -3870,9 +3870,13 @@ def test_opt_reads_its_offset_positions_and_refuses_opt_350m_s_blocks(folders):
     for change, message in ((dict(do_layer_norm_before=False), "do_layer_norm_before = False is not supported"),
                             (dict(word_embed_proj_dim=16), r"word_embed_proj_dim = 16 is not supported \(hidden_size, 32"),
                             (dict(layer_norm_elementwise_affine=False), "layer_norm_elementwise_affine = False is not supported"),
-                            (dict(activation_function="gelu"), r"hidden_act = 'gelu' is not supported \(relu")):
+                            (dict(activation_function="gelu"), r"^config.json: activation_function = 'gelu' is not supported \(relu")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["opt"].kwargs(dict(config, **change))
+    # a field read through its alias is refused by the name config.json holds (GPT-2's has no hidden_act)
+    gpt2 = dict(FAMILIES["gpt2"]().to_dict(), activation_function="relu")
+    with pytest.raises(ValueError, match=r"^config.json: activation_function = 'relu' is not supported \(GELU"):
+        hf.FAMILIES["gpt2"].kwargs(gpt2)
 
 
 def test_cohere_compass_reads_each_layer_type_s_rope_and_its_vision_folder_s_text_model(tmp_path):
