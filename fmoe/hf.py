@@ -2319,10 +2319,7 @@ def _deepseek_v4_config(cfg: TransformerConfig) -> dict:
     moe = _deepseek_moe_config(cfg)
     hf.update({name: moe[name] for name in ("n_routed_experts", "moe_intermediate_size", "n_shared_experts", "routed_scaling_factor")},
               norm_topk_prob=True, num_nextn_predict_layers=0)
-    mismatch = config_mismatch(cfg, hf)
-    if mismatch:
-        raise ValueError(f"model: its config has no deepseek_v4 equivalent: {mismatch}")
-    return hf
+    return _equivalent(cfg, hf)
 
 
 def _hy_v4_vl_text(hf: dict) -> dict:
@@ -6036,9 +6033,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         # attn_config.rope_theta, its RoPE the top level's)
         ffn = dict(ffn_act_fn={"name": "silu"}, ffn_hidden_size=cfg.ffn_expert, moe_num_experts=cfg.n_experts, moe_top_k=cfg.k,
                    moe_normalize_expert_weights=None if cfg.pre_softmax else 1.0)
-        return dict(architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size, d_model=cfg.hidden,
-                    n_heads=cfg.n_heads, n_layers=cfg.n_layers, rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
-                    attn_config=dict(clip_qkv=cfg.clip_qkv, kv_n_heads=cfg.n_kv_heads, rope_theta=cfg.rope_base), ffn_config=ffn, dtype="float32", pad_token_id=None)
+        return _equivalent(cfg, dict(
+            architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size, d_model=cfg.hidden,
+            n_heads=cfg.n_heads, n_layers=cfg.n_layers, rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
+            attn_config=dict(clip_qkv=cfg.clip_qkv, kv_n_heads=cfg.n_kv_heads, rope_theta=cfg.rope_base), ffn_config=ffn, dtype="float32", pad_token_id=None))
     hf = dict(architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size,
               hidden_size=cfg.hidden, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
@@ -6571,7 +6569,19 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf["rope_parameters"].update(**_query_temperature_parameters(cfg, cfg.yarn_original_max_positions),
                                      partial_rotary_factor=_rotary_factor(cfg))
         hf["head_dim"] = cfg.head_dim  # Mistral 4's RoPE rotates partial_rotary_factor x head_dim (nope + rope) channels
-    mismatch = config_mismatch(cfg, hf)
+    return _equivalent(cfg, hf)
+
+
+def _equivalent(cfg: TransformerConfig, hf: dict) -> dict:
+    """hf, the config.json hf_config built for cfg, where it describes cfg; else a ValueError
+    naming what it cannot hold: the knobs that read back otherwise ({knob: (cfg's, the
+    family's)}, config_mismatch; a capacity factor, which no family has), or the family's
+    own refusal of the config (a field it needs that cfg leaves unset)."""
+    model_type = hf["model_type"]
+    try:
+        mismatch = config_mismatch(cfg, hf)
+    except ValueError as err:  # read back as no model of the family: said as what it is, not as a config.json being loaded
+        raise ValueError(f"model: its config has no {model_type} equivalent: {str(err).removeprefix('config.json: ')}") from None
     if cfg.capacity_factor is not None:
         mismatch["capacity_factor"] = (cfg.capacity_factor, None)
     if mismatch:

@@ -1062,6 +1062,22 @@ def test_sliding_window_models_give_transformers_logits_and_export_back(family, 
             hf.save_pretrained(part, tmp_path / "part", model_type=family)
 
 
+def test_a_model_a_family_cannot_hold_is_refused_before_writing():
+    """hf_config of a model of fmoe's own (sigmoid routing with an expert bias, a shared
+    expert, a dense first block) as a family without those: DBRX's config was built with no
+    comparison and written, transformers then read the folder with missing and unexpected
+    keys (other logits). A family that reads the config as no model of its own says so as
+    a model it cannot hold, not as a config.json being loaded."""
+    cfg = TransformerConfig(vocab_size=V, hidden=32, n_layers=2, n_dense=1, ffn_dense=40, n_experts=4, k=2, ffn_expert=16, n_heads=4, n_kv_heads=2,
+                            head_dim=8, mtp_depth=0, clip_qkv=8.0)
+    with pytest.raises(ValueError, match=r"^model: its config has no dbrx equivalent: \{'score': \('sigmoid', 'softmax'\)"):
+        hf.hf_config(cfg, "dbrx")
+    with pytest.raises(ValueError, match=r"^model: its config has no deepseek_v4 equivalent: swiglu_limit = None is not supported"):
+        hf.hf_config(cfg, "deepseek_v4")
+    dbrx = TransformerConfig(**hf.FAMILIES["dbrx"].kwargs(FAMILIES["dbrx"]().to_dict()))  # a model DBRX holds is still written
+    assert hf.hf_config(dbrx, "dbrx")["ffn_config"]["moe_num_experts"] == 4
+
+
 # transformers 4.x wrote no layer_types: transformers derives them from max_window_layers (Qwen2 and Qwen3: the layers from it
 # on slide; Qwen2-MoE: every other one from layer 0 below it)
 MAX_WINDOW_LAYERS = {
