@@ -483,6 +483,9 @@ class MoE(KeepsFloat32):
         for name in ("shared_gate", "latent_in", "latent_out", "latent_norm", "expert_out_norm", "out_bias"):
             if getattr(self, name, None) is not None:
                 params[name] = replicated(_local(getattr(self, name)))
+        for name in ("latent_in", "latent_out"):  # projections of x, in x's dtype: under FSDP2's mixed precision this
+            if name in params:  # module's own unit is not cast (the router's float32), so its float32 weights compute in bf16 here
+                params[name] = params[name].to(x_TH.dtype)
         drop = self.capacity_drop  # cp: over every cp rank's tokens (and tp slices)
         if drop is None and sp is not None:
             drop = sp.drop_by_capacity

@@ -137,6 +137,39 @@ def _hyper_connections(rank, world):
     return dict(seen=seen, streams=streams, grads=grads, loss=float(losses["lm_sum"]))
 
 
+def _latent_moe(rank, world):
+    """A latent MoE (moe_latent) under FSDP2's bf16 compute, and the same model in float32."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, materialize, parallelize
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(**{**TINY, "mtp_depth": 0, "moe_latent": 16})
+    batch = make_batch(torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(1)), torch.tensor([0, 11, 32]), 0)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, build_meshes(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    materialize(model, "cpu", seed=0)
+    losses, _ = model(batch)
+    (losses["lm_sum"] / 32).backward()
+    grads = {n: str(p.grad.dtype) for n, p in model.named_parameters() if "latent" in n}
+    plain = Transformer(cfg)
+    plain.reset_parameters(seed=0)
+    with torch.no_grad():
+        ref, _ = plain(batch)
+    return dict(loss=float(losses["lm_sum"]), ref=float(ref["lm_sum"]), grads=grads)
+
+
+def test_latent_moe_computes_in_bf16_with_float32_weights():
+    """The latent projections live in the MoE's own FSDP2 unit, which is not cast (the
+    router's float32): they were handed to the MoE in float32 beside bf16 tokens, and the
+    first forward stopped ("a latent MoE needs latent_in ... in x's dtype"). They compute in
+    the tokens' dtype, their gradients float32, the loss the float32 model's to bf16's
+    precision."""
+    (out,) = run_distributed(_latent_moe, 1, timeout=200)
+    assert len(out["grads"]) == 2 * (TINY["n_layers"] - TINY["n_dense"]) and set(out["grads"].values()) == {"torch.float32"}, out
+    assert abs(out["loss"] - out["ref"]) < 2e-2 * abs(out["ref"]), out
+
+
 def test_hyper_connection_weights_stay_float32_under_bf16_compute():
     """The streams' weights (fn, base, scale: FSDP2 units of their own, never cast, like the
     router) compute in float32 while the blocks and the [T, 3 H] streams between them are
