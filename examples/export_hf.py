@@ -84,8 +84,12 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     if cfg.capacity_factor is not None:
         notes.append(f"capacity_factor={cfg.capacity_factor}: a training-time drop, not exported")
         cfg = dataclasses.replace(cfg, capacity_factor=None, capacity_policy="probs")  # the policy: which slots that drop keeps
+    folder = None if not source else Path(source) if hf_folder else run_path(run, source)  # the run's: relative to where it started
+    if source and not hf_folder and model_type and not is_hf_folder(folder):  # the run's folder gone: the config of --model_type
+        notes.append(f"the run's --init_from_hf folder {str(folder)!r} is gone: the config is built from the run's knobs, and no "
+                     "other file of that folder (its tokenizer) goes with it")
+        source = ""
     if source:
-        folder = Path(source) if hf_folder else run_path(run, source)  # the run's: relative to where it started
         if not is_hf_folder(folder):
             knob = "--hf_config" if hf_folder else f"the run's --init_from_hf ({source!r})"
             raise ValueError(f"{knob}: not a Hugging Face folder (config.json with a model_type); pass --hf_config=FOLDER, "

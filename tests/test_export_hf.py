@@ -249,6 +249,10 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
     gone = dict(run, config=dict(run["config"], init_from_hf=str(tmp_path / "gone")))
     with pytest.raises(ValueError, match=r"the run's --init_from_hf \('.*gone'\): not a Hugging Face folder .*; pass --hf_config=FOLDER"):
         export_hf.export_config(model.cfg, gone)
+    # what that error suggests works: --model_type builds the config from the run's knobs (it used to stop on the same error)
+    built, notes, source = export_hf.export_config(model.cfg, gone, model_type="glm4_moe")
+    assert source is None and built == hf.hf_config(dataclasses.replace(model.cfg, capacity_factor=None), "glm4_moe")
+    assert len(notes) == 1 and notes[0].startswith(f"the run's --init_from_hf folder {str(tmp_path / 'gone')!r} is gone"), notes
 
 
 def test_qwen3_next_s_one_mtp_module_is_exported_and_a_second_depth_named(tmp_path):
