@@ -430,8 +430,10 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
                              if width is not None else f"params['{name}']: the norm of a latent MoE's experts' input, needs params['latent_in']")
     gate = params.get("shared_gate")
     has_shared = shared is not None or weights[1] is not None
-    if gate is not None and (not has_shared or tuple(gate.shape) != (H,)):
-        raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
+    if gate is not None and not has_shared:
+        raise ValueError("params['shared_gate']: the gate of shared experts, needs them (params['shared_w_*'] or shared=)")
+    if gate is not None and tuple(gate.shape) != (H,):
+        raise ValueError(f"params['shared_gate']: expected [{H}], got {tuple(gate.shape)}")
     bias = params.get("out_bias")
     if bias is not None and (tuple(bias.shape) != (H,) or not bias.is_floating_point()):
         raise ValueError(f"params['out_bias']: expected a float [{H}] bias on the block's output or none, got {bias.dtype} {list(bias.shape)}")
@@ -628,7 +630,7 @@ def moe(
     if experts is None:
         y_TH, counts_E = local_experts(x_e, routes, params, cfg, **kw)
     else:
-        y_TH, counts_E = experts(x_e, routes, **kw)
+        y_TH, counts_E = _experts_output(experts(x_e, routes, **kw), x_e, E)
     if latent_out is not None:
         y_TH = matmul(y_TH, latent_out, fp8=cfg.fp8, impl=cfg.impl)
     if cfg.zero_experts:
@@ -640,6 +642,8 @@ def moe(
                                    alpha=cfg.shared_swiglu_alpha, offset=cfg.shared_swiglu_offset)
     if shared is not None:
         y_shared_TH = shared(x)
+        if not isinstance(y_shared_TH, torch.Tensor) or y_shared_TH.shape != x.shape or y_shared_TH.dtype != x.dtype:
+            raise ValueError(f"shared: expected shared(x) -> {x.dtype} {list(x.shape)} (x's), got {_described(y_shared_TH)}")
         gate = params.get("shared_gate")
         if gate is not None:  # on the complete shared output (after any tensor-parallel sum)
             y_shared_TH = y_shared_TH * torch.sigmoid(x @ gate.to(x.dtype))[:, None]
@@ -658,6 +662,24 @@ def moe(
             counts = tokens_per_expert(experts_TK, n)
         stats.update(aux_scores=scores_TE, aux_experts=experts_TK, aux_counts=counts)
     return y_TH, TensorDict(stats, batch_size=[])
+
+
+def _described(out) -> str:
+    return f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+
+
+def _experts_output(out, x_e: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An experts callable's (y [T, H] in x's dtype, counts [E] int), or a ValueError naming
+    `experts` (a wrong shape would broadcast or mislabel the load, silently)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"experts: expected experts(x, routes) -> (y, counts), got {type(out).__name__}"
+                         + (f" of {len(out)}" if isinstance(out, tuple) else ""))
+    y, counts = out
+    if not isinstance(y, torch.Tensor) or y.shape != x_e.shape or y.dtype != x_e.dtype:
+        raise ValueError(f"experts: expected y {x_e.dtype} {list(x_e.shape)} (its input's), got {_described(y)}")
+    if not isinstance(counts, torch.Tensor) or counts.shape != (E,) or counts.is_floating_point() or counts.dtype == torch.bool:
+        raise ValueError(f"experts: expected counts, an int tensor [{E}] (slots per expert), got {_described(counts)}")
+    return y, counts
 
 
 # ----------------------------------------------------------------------------------------

@@ -576,6 +576,40 @@ def test_experts_and_shared_callables_are_the_one_way_in():
         moe(x, params, cfg, drop=1)
 
 
+def test_experts_and_shared_callables_outputs_are_checked():
+    """What a callable of one's own returns is checked against its contract (no host read):
+    a y of other rows broadcast or failed inside moe, counts of another length mislabelled
+    the load (tokens_per_expert), float64 came out of a float32 layer, and a bare tensor
+    failed to unpack."""
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = _params(cfg, torch.float32, "cpu", shared=True)
+    x = torch.randn(6, H)
+    routed_only = {"router": params["router"]}
+
+    def good(x_TH, routes):
+        return local_experts(x_TH, routes, params, cfg)
+
+    def shared(x_TH):
+        return dense_mlp(x_TH, params["shared_w_gate"], params["shared_w_up"], params["shared_w_down"])
+
+    assert moe(x, routed_only, cfg, experts=good, shared=shared)[0].shape == (6, H)
+    for bad, said in ((lambda xx, r: good(xx, r)[0], re.escape("experts: expected experts(x, routes) -> (y, counts), got Tensor")),
+                      (lambda xx, r: (*good(xx, r), None), re.escape("experts: expected experts(x, routes) -> (y, counts), got tuple of 3")),
+                      (lambda xx, r: (good(xx, r)[0][:3], good(xx, r)[1]), rf"experts: expected y torch.float32 \[6, {H}\] \(its input's\), got torch.float32 \[3, {H}\]"),
+                      (lambda xx, r: (good(xx, r)[0].double(), good(xx, r)[1]), "experts: expected y torch.float32 .* got torch.float64"),
+                      (lambda xx, r: (good(xx, r)[0], torch.zeros(3, dtype=torch.long)), r"experts: expected counts, an int tensor \[4\] .* got torch.int64 \[3\]"),
+                      (lambda xx, r: (good(xx, r)[0], good(xx, r)[1].float()), r"experts: expected counts, an int tensor \[4\]")):
+        with pytest.raises(ValueError, match=f"^{said}"):
+            moe(x, routed_only, cfg, experts=bad)
+    with pytest.raises(ValueError, match=rf"^shared: expected shared\(x\) -> torch.float32 \[6, {H}\] \(x's\), got torch.float32 \[1, {H}\]"):
+        moe(x, routed_only, cfg, experts=good, shared=lambda xx: shared(xx)[:1])
+    # a shared gate names what it lacks: the shared experts, not its shape
+    with pytest.raises(ValueError, match=r"^params\['shared_gate'\]: the gate of shared experts, needs them"):
+        moe(x, {"router": params["router"], "shared_gate": params["shared_gate"]}, cfg, experts=good)
+    with pytest.raises(ValueError, match=rf"^params\['shared_gate'\]: expected \[{H}\], got \(3,\)"):
+        moe(x, {"router": params["router"], "shared_gate": torch.randn(3)}, cfg, experts=good, shared=shared)
+
+
 def test_moe_capacity_drop_callable():
     """drop= replaces drop_by_capacity (sequence parallelism passes one over the whole
     micro-batch): called once with the routes and cfg's capacity, its routes are the ones
