@@ -5262,8 +5262,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 def config_dtype(hf: dict) -> torch.dtype:
     """The dtype a config.json names for its weights ("dtype", or the older "torch_dtype";
-    float32 when it names none)."""
-    return getattr(torch, str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch."))
+    float32 when it names none); a ValueError naming the field for a name that is not a torch
+    floating dtype's ("auto", "float8", 5: an AttributeError of torch's before)."""
+    field = "dtype" if hf.get("dtype") else "torch_dtype"
+    named = hf.get(field) or "float32"
+    dtype = getattr(torch, named.removeprefix("torch."), None) if isinstance(named, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"config.json: {field} = {named!r} is not supported (a torch floating dtype's name: float32, bfloat16, float16, ...)")
+    return dtype
 
 
 def is_hf_folder(path) -> bool:

@@ -5626,3 +5626,14 @@ def test_bamba_reads_and_writes_its_partial_rotary_factor(tmp_path):
     with torch.no_grad():
         assert _rel(_exported_logits(model, tmp_path / "fresh", "bamba"), _their_logits(ref, docs)) < 1e-5
     assert hf.read_config(tmp_path / "fresh")[1].rope_dim == cfg.rope_dim
+
+
+def test_config_dtype_names_a_bad_dtype_field():
+    """The weights' dtype of a config.json ("dtype", else "torch_dtype", else float32); a name
+    that is no torch floating dtype is refused naming the field (it was torch's AttributeError)."""
+    assert hf.config_dtype({}) == torch.float32 and hf.config_dtype({"torch_dtype": "bfloat16"}) == torch.bfloat16
+    assert hf.config_dtype({"dtype": "torch.float16", "torch_dtype": "bfloat16"}) == torch.float16
+    for config, said in (({"dtype": "auto"}, "dtype = 'auto'"), ({"torch_dtype": "float8"}, "torch_dtype = 'float8'"),
+                         ({"dtype": 5}, "dtype = 5"), ({"dtype": "int8"}, "dtype = 'int8'")):
+        with pytest.raises(ValueError, match=f"^config.json: {re.escape(said)} is not supported"):
+            hf.config_dtype(config)
