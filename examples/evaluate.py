@@ -299,6 +299,10 @@ def main(argv: list[str]) -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory or checkpoint, or a Hugging Face folder")
     parser.add_argument("--data", default=None, help="a blend spec (default: the run's data; needed for an HF folder)")
+    parser.add_argument("--separator", type=int, default=None,
+                        help="--data's token files without an index: the document separator id (train_moe's; default: the run's, with its data)")
+    parser.add_argument("--data_dtype", default=None, choices=("uint16", "uint32"),
+                        help="--data's token files: their id type (default: the run's with its data, else from the file suffix)")
     parser.add_argument("--split", default=None, choices=("val", "train", "all"), help="the documents measured (default val)")
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
@@ -322,7 +326,8 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
         if args.tokens_per_micro_batch is not None and args.tokens_per_micro_batch < 1:
             raise ValueError(f"--tokens_per_micro_batch: expected >= 1 (leave it out for the run's), got {args.tokens_per_micro_batch}")
-        given = [knob for knob, value in (("--data", args.data), ("--split", args.split), ("--val_percent", args.val_percent),
+        given = [knob for knob, value in (("--data", args.data), ("--separator", args.separator), ("--data_dtype", args.data_dtype),
+                                          ("--split", args.split), ("--val_percent", args.val_percent),
                                           ("--batches", args.batches), ("--whole_documents", args.whole_documents)) if value is not None]
         if args.choices is not None and given:
             raise ValueError(f"--choices: the questions are the data; {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
@@ -349,12 +354,15 @@ def main(argv: list[str]) -> None:
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
     try:
-        separator = loop.get("separator", -1) if same_data else -1
+        if args.separator is not None and args.separator < 0:
+            raise ValueError(f"--separator: expected a token id >= 0, got {args.separator}")
+        separator = args.separator if args.separator is not None else loop.get("separator", -1) if same_data else -1
+        data_dtype = args.data_dtype or ((loop.get("data_dtype") or None) if same_data else None)
         # the run's own --data, relative to where the run started (config.json's run.cwd), wherever this runs
         start = run.get("run", {}).get("cwd") if same_data else None
         with _working_directory(start if start and Path(start).is_dir() else None):
             corpus = load_blend(spec or None, separator=separator if separator >= 0 else None,
-                                vocab_size=model.cfg.vocab_size if spec else None, dtype=(loop.get("data_dtype") or None) if same_data else None)
+                                vocab_size=model.cfg.vocab_size if spec else None, dtype=data_dtype)
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")

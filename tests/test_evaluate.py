@@ -111,6 +111,30 @@ def test_every_whole_micro_batch_of_other_data(run_dir, docs):
     assert again["loss"] == pytest.approx(result["loss"], rel=1e-6) and again["tokens"] == result["tokens"]
 
 
+def test_a_token_file_without_an_index_takes_separator_and_data_dtype(run_dir, tmp_path):
+    """--data=tokens.bin (no .index.json): the loader needs the separator and the id type,
+    train_moe's --separator and --data_dtype; evaluate had neither, so its error named a
+    separator no flag could give."""
+    from fmoe.train.data import load_blend
+
+    out, _ = run_dir
+    ids = torch.randint(0, 256, (3000,), generator=torch.Generator().manual_seed(0))
+    ids[::97] = 257  # the documents' separator
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(ids.numpy().astype("uint16").tobytes())
+    knobs = ["--split=all", "--batches=2", "--tokens_per_micro_batch=128", "--json"]
+    missing = _cli(out, f"--data={raw}", *knobs)
+    assert missing.returncode != 0 and "separator: required" in missing.stderr, missing.stderr[-2000:]
+    cli = _cli(out, f"--data={raw}", "--separator=257", "--data_dtype=uint16", *knobs)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    corpus = load_blend(str(raw), separator=257, vocab_size=258, dtype="uint16")
+    batches, sources = evaluate.data_batches(corpus, split="all", val_percent=5, tokens=128, n_batches=2, mtp_depth=1)
+    model, _ = evaluate.load_model(out)
+    want = evaluate.evaluate(model, batches, sources, device=torch.device("cpu"))
+    got = json.loads(cli.stdout)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"] > 0
+
+
 def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
@@ -199,6 +223,7 @@ BAD_KNOBS = [
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
     (["--tp=2"], "parallel knobs (--tp, --ep, --etp, --cp) for 1 process(es), the rest FSDP2: "),
     (["--questions=3"], "--questions: counts the questions of --choices, which is not given"),
+    (["--separator=-2"], "--separator: expected a token id >= 0, got -2"),
 ]
 
 
