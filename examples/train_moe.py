@@ -470,6 +470,12 @@ def main(argv: list[str]) -> None:
     if released and corpus.vocab_size > cfg.model.vocab_size:
         sys.exit(f"--{'upcycle_from' if cfg.upcycle_from else 'init_from_hf'}: the data's {corpus.vocab_size} token ids do not fit the "
                  f"model's vocab_size {cfg.model.vocab_size} (tokenize the data with the model's tokenizer: --data=tokens.bin --separator=...)")
+    folder = Path(cfg.upcycle_from or cfg.init_from_hf)
+    tokenizer = next((folder / name for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()), None) if released else None
+    if tokenizer is not None and corpus.byte_tokens:  # its ids are the tokenizer's: bytes read as them train the model on other text
+        sys.exit(f"--data: the model of --{'upcycle_from' if cfg.upcycle_from else 'init_from_hf'} reads the ids of its tokenizer "
+                 f"({str(tokenizer)!r}), the data is bytes; tokenize the data with it (python -m fmoe.train.prepare SRC OUT "
+                 f"--tokenizer={tokenizer})")
     if not released and corpus.byte_tokens and cfg.model.vocab_size != corpus.vocab_size:  # it would be the corpus's, silently
         sys.exit(f"--model.vocab_size={cfg.model.vocab_size}: byte data has a vocabulary of {corpus.vocab_size} (256 bytes, the "
                  "separator and padding), which the model takes; leave the knob out (it sizes token files' vocabularies)")

@@ -97,7 +97,22 @@ def hf_run(tmp_path_factory):
                                          norm_topk_prob=True, max_position_embeddings=256)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf")
     (root / "hf" / "tokenizer.json").write_text('{"version": "1.0"}\n')
-    return root / "hf", _train(root / "run", f"--init_from_hf={root / 'hf'}", knobs=RUN)
+    tokens = root / "tokens.bin"  # the folder's ids (its tokenizer's): documents of random ids, 259 between them
+    ids = torch.randint(0, 259, (20000,), generator=torch.Generator().manual_seed(0))
+    ids[::150] = 259
+    tokens.write_bytes(ids.numpy().astype("uint16").tobytes())
+    return root / "hf", _train(root / "run", f"--init_from_hf={root / 'hf'}", f"--data={tokens}", "--separator=259", "--data_dtype=uint16",
+                               knobs=RUN)
+
+
+def test_a_folder_with_a_tokenizer_refuses_byte_data(hf_run, tmp_path):
+    """The folder's model reads its tokenizer's ids: the byte corpus (no --data) trained it on
+    bytes read as those ids, and the export then shipped the tokenizer beside it."""
+    folder, _ = hf_run
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run'}", *RUN,
+                          f"--init_from_hf={folder}"], capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and f"--data: the model of --init_from_hf reads the ids of its tokenizer ({str(folder / 'tokenizer.json')!r}), " \
+        "the data is bytes" in run.stderr, run.stderr[-2000:]
 
 
 def test_a_run_of_fmoe_s_own_exports_in_shards_with_its_mtp_layer(own_run, tmp_path):
