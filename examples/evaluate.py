@@ -366,6 +366,7 @@ def main(argv: list[str]) -> None:
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")
+        model.cfg.check_micro_batch(tokens, "--tokens_per_micro_batch")
         split = (2 if args.cp > 1 else 1) * args.cp * args.tp
         if tokens % split:
             raise ValueError(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if args.cp > 1 else ''}--tp = {split}, got {tokens}")

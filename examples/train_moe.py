@@ -402,6 +402,10 @@ def main(argv: list[str]) -> None:
     if cfg.tokens_per_micro_batch < cfg.model.mtp_depth + 2:  # fewer: no token has a label at the deepest MTP depth
         sys.exit(f"--tokens_per_micro_batch: expected at least --model.mtp_depth + 2 = {cfg.model.mtp_depth + 2} (a token and the "
                  f"{cfg.model.mtp_depth + 1} after it that it predicts), got {cfg.tokens_per_micro_batch}")
+    try:  # learned positions (GPT-2's): a longer micro-batch can hold a document past them
+        cfg.model.check_micro_batch(cfg.tokens_per_micro_batch, "--tokens_per_micro_batch")
+    except ValueError as err:
+        sys.exit(str(err))
     # context parallel: 2 cp chunks per micro-batch; sequence parallel: T/(cp tp) tokens per rank
     if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):
         sys.exit(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if cfg.cp > 1 else ''}--tp = "

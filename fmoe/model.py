@@ -1474,6 +1474,14 @@ class TransformerConfig:
         hyper_connections streams."""
         return self.hidden * max(1, self.hyper_connections)
 
+    def check_micro_batch(self, tokens: int, knob: str) -> None:
+        """A ValueError naming `knob` (the script's flag) where micro-batches of `tokens` tokens
+        can hold a document past the model's learned positions (abs_positions): the forward
+        would stop at the first such document, mid-run."""
+        if self.abs_positions is not None and tokens > self.abs_positions:
+            raise ValueError(f"{knob}: expected at most {self.abs_positions} tokens, the model's learned positions (abs_positions): a "
+                             f"document of a {tokens}-token micro-batch can reach past them, got {tokens}")
+
     def is_moe(self, i: int) -> bool:
         """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense (with
         shortcut_moe, an even i only: a pair's first block)."""

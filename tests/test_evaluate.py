@@ -135,6 +135,20 @@ def test_a_token_file_without_an_index_takes_separator_and_data_dtype(run_dir, t
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"] > 0
 
 
+def test_learned_positions_bound_the_micro_batch(tmp_path, docs):
+    """A GPT-2 folder (64 learned positions) on long documents: a micro-batch of more tokens
+    is refused naming --tokens_per_micro_batch; it stopped in the forward with a traceback."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    config = transformers.GPT2Config(vocab_size=260, n_embd=32, n_layer=1, n_head=4, n_positions=64, n_inner=40, bos_token_id=None,
+                                     eos_token_id=None)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    long = _cli(tmp_path / "gpt2", f"--data={docs}", "--tokens_per_micro_batch=128")
+    assert long.returncode != 0 and "--tokens_per_micro_batch: expected at most 64 tokens, the model's learned positions" in long.stderr
+    assert "Traceback" not in long.stderr, long.stderr[-2000:]
+    fits = _cli(tmp_path / "gpt2", f"--data={docs}", "--tokens_per_micro_batch=64", "--split=all", "--batches=2", "--json")
+    assert fits.returncode == 0 and json.loads(fits.stdout)["tokens"] > 0, fits.stderr[-2000:]
+
+
 def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf

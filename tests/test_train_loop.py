@@ -366,6 +366,10 @@ BAD_KNOBS = [
     (["--cp=2", "--tokens_per_micro_batch=8", "--model.linear_layers=0"],
      "--tokens_per_micro_batch: each of the 2 x --cp = 4 chunks must hold the 3 tokens the next chunk's convolution reads "
      "(--model.linear_conv=4): expected at least 12, got 8"),
+    # learned positions (GPT-2's): a longer micro-batch stopped in the forward at its first long document, mid-run
+    (["--model.abs_positions=64", "--model.mtp_depth=0", "--tokens_per_micro_batch=128"],
+     "--tokens_per_micro_batch: expected at most 64 tokens, the model's learned positions (abs_positions): a document of a 128-token "
+     "micro-batch can reach past them, got 128"),
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--steps=0"], "--steps: expected an int >= 1, got 0"),
     (["--eval_every=0"], "--eval_every: expected an int >= 1, got 0"),
