@@ -324,6 +324,8 @@ def main(argv: list[str]) -> None:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if args.questions < 0:
             raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
+        if args.separator is not None and args.separator < 0:
+            raise ValueError(f"--separator: expected a token id >= 0, got {args.separator}")
         if args.tokens_per_micro_batch is not None and args.tokens_per_micro_batch < 1:
             raise ValueError(f"--tokens_per_micro_batch: expected >= 1 (leave it out for the run's), got {args.tokens_per_micro_batch}")
         given = [knob for knob, value in (("--data", args.data), ("--separator", args.separator), ("--data_dtype", args.data_dtype),
@@ -354,8 +356,6 @@ def main(argv: list[str]) -> None:
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
     try:
-        if args.separator is not None and args.separator < 0:
-            raise ValueError(f"--separator: expected a token id >= 0, got {args.separator}")
         separator = args.separator if args.separator is not None else loop.get("separator", -1) if same_data else -1
         data_dtype = args.data_dtype or ((loop.get("data_dtype") or None) if same_data else None)
         # the run's own --data, relative to where the run started (config.json's run.cwd), wherever this runs

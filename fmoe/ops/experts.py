@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import DOT_UPCAST, interpreting, next_pow2, use_triton
-from fmoe.ops.checks import FLOAT_DTYPES, check_float, checking
+from fmoe.ops.checks import FLOAT_DTYPES, check_device, check_float, checking
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quantize
 
 # ----------------------------------------------------------------------------------------
@@ -671,16 +671,14 @@ def _grouped_mm_fast(x_RH: torch.Tensor, F: int) -> bool:
 def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.dtype != ref.dtype:
         raise ValueError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} differs from {ref_name}'s {str(ref.dtype).removeprefix('torch.')}")
-    if t.device != ref.device:
-        raise ValueError(f"{name}: expected device {ref.device} like {ref_name}, got {t.device}")
+    check_device(name, t, ref.device, ref_name)
 
 
 def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, check: bool) -> None:
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (E,):
         got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
         raise ValueError(f"offsets: expected int32 [E] = ({E},) cumulative ends of the experts' rows, got {got}")
-    if offsets.device != x_perm.device:
-        raise ValueError(f"offsets: expected device {x_perm.device} like x_perm, got {offsets.device}")
+    check_device("offsets", offsets, x_perm.device, "x_perm")
     if not checking(check, offsets):
         return
     ends = offsets.tolist()  # one device->host sync

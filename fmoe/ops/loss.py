@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, tanh, use_triton
-from fmoe.ops.checks import check_bools, check_float, check_index, check_positive_int, checking
+from fmoe.ops.checks import check_bools, check_device, check_float, check_index, check_positive_int, checking
 
 REDUCTIONS = ("mean", "sum")
 
@@ -450,8 +450,7 @@ def _check_labels(labels, n_rows, ignore_index, reduction, device):
     check_index("labels", labels, 1, "[N]")
     if labels.shape[0] != n_rows:
         raise ValueError(f"labels: expected {n_rows} labels, one per row, got {labels.shape[0]}")
-    if labels.device != device:
-        raise ValueError(f"labels: expected device {device}, got {labels.device}")
+    check_device("labels", labels, device)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
     info = torch.iinfo(labels.dtype)

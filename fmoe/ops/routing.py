@@ -541,8 +541,7 @@ def route(
         if not isinstance(expert_bias, torch.Tensor) or expert_bias.shape != (E,) or expert_bias.dtype != torch.float32:
             got = f"{tuple(expert_bias.shape)} {expert_bias.dtype}" if isinstance(expert_bias, torch.Tensor) else type(expert_bias).__name__
             raise ValueError(f"expert_bias: expected a float32 tensor of shape ({E},), got {got}")
-        if expert_bias.device != logits.device:
-            raise ValueError(f"expert_bias: expected device {logits.device}, got {expert_bias.device}")
+        check_device("expert_bias", expert_bias, logits.device)
     scale = _check_scale(scale)
     if check:
         check_no_nan("logits", logits)
@@ -615,8 +614,7 @@ def hash_route(
     if not 1 <= k <= E:
         raise ValueError(f"table: expected [V, k] with k in 1..{E} (experts per token), got k = {k}")
     for name, t in (("token_ids", token_ids), ("table", table)):
-        if t.device != logits.device:
-            raise ValueError(f"{name}: expected device {logits.device}, got {t.device}")
+        check_device(name, t, logits.device)
     code = _score_code(score, False, normalize)
     scale = _check_scale(scale)
     if checking(check, logits, token_ids, table):
