@@ -719,21 +719,25 @@ class Sampler:
 
     def state_dict(self) -> dict:
         """Where the stream stands: epoch, index in the epoch's order, offset (tokens) into
-        that document, plus the seed, shuffle flag and document count it is valid for."""
+        that document, plus the seed, shuffle flag, document count and token count it is
+        valid for (the token count tells other data with as many documents apart: the same
+        sources prepared with another tokenizer, another corpus)."""
         return dict(epoch=self.epoch, index=self.index, offset=self.offset, seed=self.seed,
-                    shuffle=self.shuffle, n_documents=len(self.dataset))
+                    shuffle=self.shuffle, n_documents=len(self.dataset), n_tokens=self.dataset.n_tokens)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(); the sampler must have the same seed, shuffle flag and
-        dataset size (tokens_per_batch and mtp_depth may differ)."""
+        dataset size in documents and tokens (tokens_per_batch and mtp_depth may differ; a
+        state without n_tokens, from before it was kept, is checked by documents alone)."""
         keys = ("epoch", "index", "offset", "seed", "shuffle", "n_documents")
         if not isinstance(state, Mapping):  # None: "argument of type 'NoneType' is not iterable" before
             raise ValueError(f"state: expected a Sampler's state_dict() (a dict), got {type(state).__name__}")
         missing = [k for k in keys if k not in state]
         if missing:
             raise ValueError(f"state: missing keys {missing}")
-        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("n_documents", len(self.dataset))):
-            if state[key] != mine:
+        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("n_documents", len(self.dataset)),
+                          ("n_tokens", self.dataset.n_tokens)):
+            if key in state and state[key] != mine:
                 raise ValueError(f"state: {key} is {state[key]!r}, this sampler has {mine!r}")
         epoch = check_positive_int("state['epoch']", state["epoch"], 0)
         index = check_positive_int("state['index']", state["index"], 0, len(self.dataset) - 1)

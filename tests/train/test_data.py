@@ -420,6 +420,12 @@ def test_a_text_file_given_as_a_token_file_is_named_text(tmp_path):
         Sampler(ds, 8, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="n_documents"):
         Sampler(_synthetic(n_docs=4), 8, seed=0).load_state_dict(state)
+    other = _synthetic(seed=1)  # as many documents, of other lengths: other data
+    assert len(other) == len(ds) and other.n_tokens != ds.n_tokens
+    with pytest.raises(ValueError, match=f"^state: n_tokens is {ds.n_tokens}, this sampler has {other.n_tokens}$"):
+        Sampler(other, 8, seed=0).load_state_dict(state)
+    old_state = {k: v for k, v in state.items() if k != "n_tokens"}  # a checkpoint from before n_tokens was kept
+    Sampler(other, 8, seed=0).load_state_dict(old_state)
     with pytest.raises(ValueError, match="missing keys"):
         sampler.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match=r"^state: expected a Sampler's state_dict\(\) \(a dict\), got NoneType"):
