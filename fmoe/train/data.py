@@ -411,6 +411,9 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
         value = fields[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "vocab_size" else 0):
             raise ValueError(f"path: the index {str(index)!r} holds {name} = {value!r}, expected an int >= {1 if name == 'vocab_size' else 0}")
+    if fields["separator"] >= fields["vocab_size"]:  # the error blamed the caller's separator, which was not given
+        raise ValueError(f"path: the index {str(index)!r} holds separator = {fields['separator']}, not below its "
+                         f"vocab_size {fields['vocab_size']}")
     if fields["dtype"] not in FILE_DTYPES:  # the error blamed the caller's dtype, which was not given
         raise ValueError(f"path: the index {str(index)!r} holds dtype = {fields['dtype']!r}, expected one of {list(FILE_DTYPES)}")
     if not isinstance(fields.get("loss_mask"), (str, type(None))):  # a file name beside the index, or none
@@ -466,7 +469,7 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
     if not path.is_file():
         raise ValueError(f"path: {str(path)!r} is not a regular file")
     index = read_index(path)
-    given_dtype = dtype
+    given_dtype, given_vocab_size = dtype, vocab_size
     if index is not None:
         separator, vocab_size, dtype = (_from_index(field, given, index, path) for field, given in
                                         (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype)))
@@ -499,7 +502,13 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
         raise ValueError(f"path: {str(path)!r} holds {size // np_dtype.itemsize} tokens, its index says {index['tokens']} "
                          "(a stale index: prepare the file again)")
     data = np.memmap(path, dtype=np_dtype, mode="r")
-    dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)))
+    try:
+        dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)))
+    except ValueError as err:
+        if index is None or given_vocab_size is not None or not str(err).startswith("vocab_size: "):
+            raise
+        raise ValueError(f"path: the index {str(index_path(path))!r} says vocab_size {vocab_size}: "
+                         f"{str(err).removeprefix('vocab_size: ')}") from None  # not the caller's vocab_size
     if index is not None and index.get("loss_mask") is not None:
         dataset.label_mask = _read_label_mask(path.parent / index["loss_mask"], len(data), repr(str(index_path(path))))
     if index is not None and index["documents"] != len(dataset):

@@ -568,5 +568,15 @@ def test_an_index_dtype_is_named_as_the_index_s(tmp_path):
     (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="float32")))
     with pytest.raises(ValueError, match=r"^path: the index '.*a.u16.index.json' holds dtype = 'float32', expected one of \['uint16', 'uint32'\]"):
         load_token_file(path)
+    # the index's separator and vocab_size are named as the index's, not as arguments the caller did not give
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="uint16", separator=10)))
+    with pytest.raises(ValueError, match=r"^path: the index '.*a.u16.index.json' holds separator = 10, not below its vocab_size 10$"):
+        load_token_file(path)
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="uint16", vocab_size=4)))
+    with pytest.raises(ValueError, match=r"^path: the index '.*a.u16.index.json' says vocab_size 4: token 5 at index 0 of '.*a.u16' "
+                                         r"is not below vocab_size 4$"):
+        load_token_file(path)
+    with pytest.raises(ValueError, match=r"^vocab_size: 3 was given, the index"):  # the caller's own value is still named as theirs
+        load_token_file(path, vocab_size=3)
     (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="uint16")))
     assert load_token_file(path).document(0).tolist() == [5, 1]
