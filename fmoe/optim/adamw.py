@@ -330,6 +330,42 @@ def unsupported_flag(group: dict) -> Optional[str]:
     return next((key for key, value in _UNSUPPORTED_FLAGS.items() if group.get(key, value) != value), None)
 
 
+def split_names(params) -> tuple[list, Optional[list]]:
+    """(tensors, names) of a param group's `params`: a tensor or a list of tensors (names
+    None), or a list of (name, tensor) pairs, which torch's optimizers take too
+    (model.named_parameters(); the names are kept as the group's param_names, in its state
+    dict). The checks then see the tensors: a named complex parameter, or one named twice,
+    was let through. ValueError for a mix of the two forms, as torch refuses it."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    named = [isinstance(p, tuple) for p in params]
+    if not any(named):
+        return params, None
+    if not all(named) or any(len(p) != 2 for p in params):
+        raise ValueError("params: expected tensors or (name, tensor) pairs (model.named_parameters()), not a mix, got "
+                         f"{[type(p).__name__ if not isinstance(p, tuple) else f'a tuple of {len(p)}' for p in params[:4]]}")
+    return [p for _, p in params], [name for name, _ in params]
+
+
+def with_names(param_group: dict, params: list, names: Optional[list]) -> dict:
+    """param_group with its checked tensors `params` and, for named parameters, their
+    names (split_names), as torch's add_param_group stores them."""
+    return {**param_group, "params": params, **({"param_names": names} if names is not None else {})}
+
+
+def check_saved_groups(state_dict: dict, check: Callable[[dict], None]) -> None:
+    """ValueError, before a load, for a saved param group that the optimizer's `check` (its
+    check_hyperparameters) refuses, naming the group: a state dict of torch's own optimizer
+    with a tensor lr loaded, and every later step was refused. A group without one of the
+    keys: another optimizer's state."""
+    for n, group in enumerate(state_dict["param_groups"]):
+        try:
+            check(group)
+        except KeyError as err:
+            raise ValueError(f"state_dict: param group {n} has no {err.args[0]!r} (another optimizer's state)") from None
+        except ValueError as err:
+            raise ValueError(f"state_dict: param group {n}: {err}") from None
+
+
 def check_params_once(params: list, param_groups: list[dict]) -> None:
     """ValueError for a tensor of `params` (a group being added) listed twice, or already in
     param_groups: torch only warns within a group, and a step updated it twice."""
@@ -360,7 +396,8 @@ class AdamW(torch.optim.Optimizer):
     multi-tensor Triton step on CUDA and DTensor parameters.
 
     Args:
-        params: parameters or parameter groups, as for any torch optimizer.
+        params: parameters or parameter groups, as for any torch optimizer ((name,
+            parameter) pairs too: model.named_parameters()).
         lr, betas, eps, weight_decay: as torch.optim.AdamW; per group.
         state_dtype: dtype in which exp_avg and exp_avg_sq are stored, torch.float32 or
             torch.bfloat16 (half the state memory; the update is still float32).
@@ -430,17 +467,15 @@ class AdamW(torch.optim.Optimizer):
         if key is not None:
             raise ValueError(f"{key}: expected {_UNSUPPORTED_FLAGS[key]} (this AdamW does not implement {key}={param_group[key]!r}), "
                              f"got {param_group[key]!r}")
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif not isinstance(params, set):  # a set: torch's TypeError (unordered)
-            params = list(params)
+        params, names = param_group["params"], None
+        if not isinstance(params, set):  # a set: torch's TypeError (unordered)
+            params, names = split_names(params)
         for p in params:
             if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:  # complex lost its imaginary part, int64 truncated, float64 rounded
                 raise ValueError(f"params: expected float32, bfloat16 or float16 parameters (the step works in float32; "
                                  f"torch.optim.AdamW takes float64), got {p.dtype} (a parameter of shape {tuple(p.shape)})")
         check_params_once(params, self.param_groups)  # not a tensor: torch's TypeError
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group(with_names(param_group, params, names))
 
     def _wants_master(self, p: torch.Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
@@ -470,14 +505,16 @@ class AdamW(torch.optim.Optimizer):
         missing one is made from the parameter at the next step, as a fresh state's is.
 
         ValueError, before anything changes, for a saved exp_avg, exp_avg_sq or master whose
-        shape is not its parameter's, and for a param group with maximize=True,
+        shape is not its parameter's, for a param group with maximize=True,
         amsgrad=True or decoupled_weight_decay=False (torch.optim.Adam's state), which this
-        AdamW does not implement. torch.optim.AdamW's own state dicts load."""
+        AdamW does not implement, and for a group's hyperparameter that step() would refuse
+        (a tensor lr: check_hyperparameters). torch.optim.AdamW's own state dicts load."""
         saved_groups = state_dict["param_groups"]
         for n, group in enumerate(saved_groups):
             key = unsupported_flag(group)
             if key is not None:
                 raise ValueError(f"state_dict: param group {n} has {key}={group[key]!r}, which this AdamW does not implement")
+        check_saved_groups(state_dict, check_hyperparameters)
         dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
         check_state_shapes(self.param_groups, state_dict, {key: lambda p: p.shape for key in dtypes})
         saved_ids = [i for group in saved_groups for i in group["params"]]
@@ -508,7 +545,8 @@ class AdamW(torch.optim.Optimizer):
         Every group's lr, betas, eps and weight_decay are checked first, as add_param_group
         checks them (a value set on a group later, by hand or by a scheduler, included): a
         ValueError naming the first bad one, before the closure runs or anything changes.
-        A sparse gradient: a RuntimeError before anything changes.
+        A sparse gradient, or impl="triton" on tensors it cannot run on: an error before
+        anything changes.
         """
         if grad_factor is not None:
             check_float("grad_factor", grad_factor, 0, "[] (e.g. fmoe.optim.clip_factor's)")
@@ -522,6 +560,8 @@ class AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"AdamW does not support sparse gradients (a parameter of shape {tuple(p.shape)})")
+        # impl="triton" on CPU tensors without the interpreter: refused here, not in _update after the step counts moved
+        use_triton(self.impl, *(_local(p) for group in self.param_groups for p in group["params"] if p.grad is not None))
         factors = {}  # the factor as float32 on each parameter device, made once per step
         for group in self.param_groups:
             buckets = {}

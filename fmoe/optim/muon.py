@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.ops.backend import local_tensor as _local
 from fmoe.ops.experts import EXPERT_BIASES
-from fmoe.optim.adamw import check_number, check_params_once, check_state_shapes
+from fmoe.optim.adamw import check_number, check_params_once, check_saved_groups, check_state_shapes, split_names, with_names
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
@@ -80,7 +80,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: 
     Leading dims are a batch: each [m, n] slice is normalised and orthogonalised on its own.
     Computes in `dtype` (bfloat16 as in modded-nanogpt; torch.float32 for checks) and returns
     G's dtype. Singular values of the result lie near, not at, 1 (see the module docstring).
-    G must be real floating point (ValueError otherwise); steps an int >= 1.
+    G must be real floating point (ValueError otherwise); steps an int >= 1, eps a finite
+    number >= 0 (added to the norm), dtype a floating torch.dtype.
 
         O = newton_schulz(torch.randn(4, 32, 16))   # 4 matrices, each with O^T O ~ I
     """
@@ -90,6 +91,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: 
         raise ValueError(f"G: expected a floating-point tensor, got {G.dtype}")
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+    check_number("eps", eps, "a finite eps >= 0", lambda v: v >= 0.0)  # a negative one divided by ~0
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # an int32 failed inside torch's norm
+        raise ValueError(f"dtype: expected a floating torch.dtype (torch.bfloat16, torch.float32), got {dtype!r}")
     a, b, c = NS_COEFFS
     X = G.to(dtype)
     tall = G.shape[-2] > G.shape[-1]
@@ -168,11 +172,12 @@ class Muon(torch.optim.Optimizer):
     real floating point, each in the optimizer once).
 
     Args:
-        params: tensors or param-group dicts, in a list (a set is a TypeError); each group
-            may override any keyword below.
+        params: tensors, (name, tensor) pairs (model.named_parameters()) or param-group
+            dicts, in a list (a set is a TypeError); each group may override any keyword
+            below.
         lr: learning rate. With scale="moonlight" the update RMS is 0.2 lr, as AdamW's, so
-            pass AdamW's lr (Moonlight reuses it); 0.02 is modded-nanogpt's lr for
-            scale="spectral".
+            pass AdamW's lr (Moonlight reuses it; the default is fmoe AdamW's, 1e-3); about
+            0.02 is modded-nanogpt's lr for scale="spectral".
         momentum: mu in [0, 1). nesterov: step along G + mu M instead of M.
         weight_decay: decoupled, W *= 1 - lr wd before the update.
         ns_steps: Newton-Schulz steps. scale: "moonlight" (default: layout-free and on
@@ -180,7 +185,7 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+        self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
         *, ns_steps: int = 5, scale: str = "moonlight", ns_dtype: torch.dtype = torch.bfloat16,
     ):
         defaults = dict(
@@ -195,7 +200,7 @@ class Muon(torch.optim.Optimizer):
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
         check_ordered(group["params"])
-        params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        params, names = split_names(group["params"])
         check_params_once(params, self.param_groups)
         for p in params:
             if not isinstance(p, torch.Tensor):  # Muon([1.0]): an AttributeError below
@@ -206,12 +211,14 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"params: Muon takes matrices (ndim >= 2), got shape {tuple(p.shape)}; give it to AdamW")
             if isinstance(p, DTensor) and any(isinstance(pl, Shard) and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements):
                 raise ValueError(f"params: a DTensor sharded over a matrix dim ({p.placements}) is not whole locally")
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group(with_names(param_group, params, names))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, after checking each saved momentum_buffer against its parameter's
         shape: ValueError naming the parameter's index and both shapes (torch's loader took
-        it, and the next step failed inside torch)."""
+        it, and the next step failed inside torch), and for a saved group's hyperparameter
+        that step() would refuse, or another optimizer's group (check_hyperparameters)."""
+        check_saved_groups(state_dict, check_hyperparameters)
         check_state_shapes(self.param_groups, state_dict, {"momentum_buffer": lambda p: _local(p).shape})
         super().load_state_dict(state_dict)
 
@@ -252,11 +259,12 @@ class Muon(torch.optim.Optimizer):
 # Splitting a model between Muon and AdamW
 
 def split_param_groups(
-    model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
+    model: nn.Module, *, muon_lr: float = 3e-4, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
     adamw_patterns: Union[str, Iterable[str]] = ADAMW_PATTERNS, muon: bool = True, decay_embeddings: bool = True,
 ) -> tuple[list[dict], list[dict]]:
     """(muon_groups, adamw_groups): a model's trainable parameters split by name and shape;
-    one helper for every optimizer choice.
+    one helper for every optimizer choice. muon_lr defaults to adamw_lr's default: Muon's
+    default scale ("moonlight") takes AdamW's lr; about 0.02 goes with scale="spectral".
 
     Which optimizer: a parameter with ndim >= 2 goes to Muon unless its name (as in
     named_parameters) contains one of `adamw_patterns` as a substring (embeddings, output
@@ -302,7 +310,7 @@ def split_param_groups(
 
 
 def build_optimizers(
-    model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
+    model: nn.Module, *, muon_lr: float = 3e-4, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
     adamw_patterns: Union[str, Iterable[str]] = ADAMW_PATTERNS, adamw_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
     decay_embeddings: bool = True, muon_cls: Callable[..., torch.optim.Optimizer] = Muon, **muon_kwargs,
 ) -> list[torch.optim.Optimizer]:

@@ -115,7 +115,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from fmoe.optim.adamw import check_state_shapes
+from fmoe.optim.adamw import check_saved_groups, check_state_shapes, split_names, with_names
 from fmoe.optim.muon import apply_update, check_hyperparameters, check_ordered, momentum_direction, newton_schulz, shape_scale
 from fmoe.ops.backend import local_tensor as _local
 
@@ -222,7 +222,7 @@ class DistributedMuon(torch.optim.Optimizer):
     """Muon over sharded and replicated matrices, NS on one owner rank per matrix.
 
     Args:
-        params: tensors or param-group dicts (each group may override any keyword below),
+        params: tensors, (name, tensor) pairs or param-group dicts (each group may override any keyword below),
             in a list (a set is a TypeError: its order differs between ranks): FSDP2/TP
             DTensors, expert stacks sharded over their leading dims, plain tensors.
         lr, momentum, nesterov, weight_decay, ns_steps, scale, ns_dtype: as fmoe.optim.Muon
@@ -241,7 +241,7 @@ class DistributedMuon(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+        self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
         *, ns_steps: int = 5, scale: str = "moonlight", ns_dtype: torch.dtype = torch.bfloat16,
         model: Optional[nn.Module] = None,
     ):
@@ -271,7 +271,7 @@ class DistributedMuon(torch.optim.Optimizer):
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
         check_ordered(group["params"])
-        params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        params, names = split_names(group["params"])
         for p in params:
             if not isinstance(p, torch.Tensor) or p.ndim < 2:
                 raise ValueError(f"params: Muon takes matrices (ndim >= 2), got {getattr(p, 'shape', type(p).__name__)}; give it to AdamW")
@@ -290,7 +290,7 @@ class DistributedMuon(torch.optim.Optimizer):
             load[owner] = load.get(owner, 0) + p.numel()
             owners[p] = owner
         plans = {p: _plan(p, owner, len(self._owner) + i) for i, (p, owner) in enumerate(owners.items()) if isinstance(p, DTensor)}
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group(with_names(param_group, params, names))
         self._owner.update({p: owners.get(p) for p in params})
         self._plans.update(plans)
         params_of: dict[nn.Module, list[torch.Tensor]] = {}
@@ -479,7 +479,9 @@ class DistributedMuon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Completes the pending updates (so they cannot land on loaded values), then loads.
         A momentum buffer of another shape than its parameter (global shape for DTensors) is
-        a ValueError naming the parameter's index, as in Muon."""
+        a ValueError naming the parameter's index, as in Muon, and so is a saved group that
+        step() would refuse (check_hyperparameters)."""
         self.wait()
+        check_saved_groups(state_dict, check_hyperparameters)
         check_state_shapes(self.param_groups, state_dict, {"momentum_buffer": lambda p: p.shape})
         super().load_state_dict(state_dict)

@@ -521,3 +521,58 @@ def test_a_sparse_gradient_changes_nothing():
     reference.param_groups[0]["params"][0].grad = torch.ones(3)
     reference.step()
     assert torch.equal(w.detach(), reference.param_groups[0]["params"][0].detach())
+
+
+def test_named_parameters_are_checked_as_parameters():
+    """torch's optimizers take (name, tensor) pairs; the checks looked only at tensors, so a
+    named complex parameter lost its imaginary part, a named float64 one stepped in float32,
+    and one named twice stepped twice per step."""
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    for dtype in (torch.complex64, torch.float64):
+        with pytest.raises(ValueError, match=rf"^params: expected float32, bfloat16 or float16 parameters .*got {dtype}"):
+            AdamW([("w", torch.zeros(2, dtype=dtype, requires_grad=True))])
+    with pytest.raises(ValueError, match=r"^params: a parameter of shape \(2, 3\) appears twice"):
+        AdamW([("a", p), ("b", p)])
+    with pytest.raises(ValueError, match=r"^params: expected tensors or \(name, tensor\) pairs .*not a mix"):
+        AdamW([("a", p), torch.nn.Parameter(torch.ones(2))])
+    model, plain_model = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    plain_model.load_state_dict(model.state_dict())
+    named, plain = AdamW(model.named_parameters(), lr=0.1), AdamW(plain_model.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, opt in ((model, named), (plain_model, plain)):
+            m(torch.ones(4, 3)).square().sum().backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
+    assert named.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+    assert [s["step"].item() for s in named.state.values()] == [2.0, 2.0]
+
+
+def test_a_triton_step_it_cannot_run_changes_nothing(monkeypatch):
+    """impl="triton" on CPU tensors without the interpreter was refused inside the update,
+    after every parameter's step count had moved: a retry bias-corrected as at step 2."""
+    import fmoe.ops.backend
+
+    monkeypatch.setattr(fmoe.ops.backend, "interpreting", lambda: False)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([w], lr=0.1, impl="triton")
+    w.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"^impl='triton' needs CUDA tensors"):
+        opt.step()
+    assert not opt.state and torch.equal(w.detach(), torch.ones(3))
+
+
+def test_load_refuses_a_group_the_step_would_refuse():
+    """torch.optim.AdamW with a tensor lr saves it; the state loaded and every later step
+    was refused, the optimizer's state already replaced."""
+    w = torch.nn.Parameter(torch.ones(3))
+    theirs = torch.optim.AdamW([w], lr=torch.tensor(0.01))
+    w.grad = torch.ones(3)
+    theirs.step()
+    _, mine = _stepped(shape=(3,))
+    before = mine.state_dict()
+    with pytest.raises(ValueError, match=r"^state_dict: param group 0: lr: expected a number \(a tensor lr is not supported"):
+        mine.load_state_dict(theirs.state_dict())
+    assert type(mine.param_groups[0]["lr"]) is float and torch.equal(mine.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+    sgd = torch.optim.SGD([w], lr=0.1).state_dict()
+    with pytest.raises(ValueError, match=r"^state_dict: param group 0 has no 'betas' \(another optimizer's state\)"):
+        mine.load_state_dict(sgd)

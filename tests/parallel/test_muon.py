@@ -599,3 +599,25 @@ def test_load_refuses_a_momentum_buffer_of_another_shape():
     with pytest.raises(ValueError, match=r"^state_dict: expected momentum_buffer of parameter 0 to have the parameter's shape \(3, 4\), got \(4, 3\)"):
         fresh.load_state_dict(saved)
     assert not fresh.state
+
+
+def test_named_parameters_and_loaded_groups_are_checked_as_muon_s():
+    """(name, tensor) pairs were refused as matrices of shape "tuple"; a saved group whose lr
+    is a tensor loaded and every later step failed."""
+    torch.manual_seed(2)
+    ws = [torch.randn(4, 3), torch.randn(3, 5)]
+    named, plain = [nn.Parameter(w.clone()) for w in ws], [nn.Parameter(w.clone()) for w in ws]
+    opt = DistributedMuon([("a", named[0]), ("b", named[1])], lr=0.1, ns_dtype=torch.float32)
+    ref = DistributedMuon(plain, lr=0.1, ns_dtype=torch.float32)
+    for ps, o in ((named, opt), (plain, ref)):
+        for p, w in zip(ps, ws):
+            p.grad = w.cos()
+        o.step()
+        o.wait()
+    assert all(torch.equal(a, b) for a, b in zip(named, plain))
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["param_names"] == ["a", "b"]
+    saved["param_groups"][0]["lr"] = torch.tensor(0.1)
+    with pytest.raises(ValueError, match=r"^state_dict: param group 0: lr: expected a number \(a tensor lr"):
+        ref.load_state_dict(saved)
+    assert type(ref.param_groups[0]["lr"]) is float
