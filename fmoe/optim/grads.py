@@ -342,7 +342,8 @@ def clip_grad_norm(
     torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm cast to float32).
     Parameters without a .grad, or with an empty one, are skipped. No host sync.
 
-    Args: as grad_norm; max_norm: a positive real number (inf: no clipping). copies:
+    Args: as grad_norm; max_norm: a positive real number (inf: no clipping, the gradients
+        left as they are even when the norm is inf or NaN: grad_norm). copies:
         parameters whose gradients are scaled too but not counted in the norm: copies of
         parameters counted elsewhere (a pipeline's tied embedding on its last stage, whose
         gradient equals the first stage's); skipped in parameters where they also appear there, as param_norm and
@@ -363,6 +364,8 @@ def clip_grad_norm(
     p = _check_norm_type(norm_type)
     copies = list({id(c): c for c in _as_param_list(copies)}.values())  # each scaled once
     params = _without_copies(_as_param_list(parameters), copies)  # a copy also given in parameters: not counted, scaled once
+    if math.isinf(max_norm):  # no clipping: torch's factor inf / (inf + 1e-6) made an infinite gradient NaN
+        return grad_norm(params, norm_type=p, group=group, foreach=foreach, pp_group=pp_group)
     pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
     grads = [q.grad for q in params]
@@ -390,7 +393,8 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The clipping's factor min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_
     forms it (the same bits), for fmoe.optim.AdamW.step(grad_factor=...).
 
-    Args: norm: 0-D tensor, the gradients' norm (grad_norm's); max_norm: a positive real number.
+    Args: norm: 0-D tensor, the gradients' norm (grad_norm's); max_norm: a positive real
+        number (inf: no clipping, a factor of 1 whatever the norm).
     Returns: 0-D float32 tensor on norm's device. No host sync.
 
     >>> clip_factor(torch.tensor(5.0), 1.0)
@@ -398,6 +402,8 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """
     max_norm = _check_max_norm(max_norm)
     check_float("norm", norm, 0, "[] (grad_norm's)")
+    if math.isinf(max_norm):  # inf / (inf + 1e-6) is NaN
+        return torch.ones((), dtype=torch.float32, device=norm.device)
     return (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0).float()
 
 

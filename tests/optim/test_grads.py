@@ -526,3 +526,16 @@ def test_numpy_numbers_are_numbers(number):
         _raises("max_norm: expected a positive number", clip_grad_norm, params, bad)
         _raises("max_norm: expected a positive number", clip_factor, norm, bad)
         _raises("norm_type: expected a number > 0 or inf", grad_norm, params, norm_type=bad)
+
+
+def test_inf_max_norm_leaves_an_infinite_gradient_as_it_is():
+    """max_norm=inf is documented as no clipping (train_moe's --clip=inf), but torch's factor
+    inf / (inf + 1e-6) is NaN: an infinite gradient came back all NaN, finite entries too."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    w.grad = torch.tensor([math.inf, 1.0])
+    norm = clip_grad_norm([w], math.inf)
+    assert float(norm) == math.inf and torch.equal(w.grad, torch.tensor([math.inf, 1.0]))
+    for bad in (math.inf, math.nan):
+        factor = clip_factor(torch.tensor(bad), math.inf)
+        assert factor.dtype == torch.float32 and factor.dim() == 0 and float(factor) == 1.0
+    assert float(clip_factor(torch.tensor(math.inf), 1.0)) == 0.0  # a finite max_norm still clips as torch does
