@@ -62,7 +62,7 @@ import math
 import os
 import sys
 import warnings
-from numbers import Real
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -581,7 +581,8 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
 
 
 def _plain(value):
-    """A JSON-ready copy of value: tensors to numbers / lists, non-finite floats to None."""
+    """A JSON-ready copy of value: tensors and numpy arrays to numbers / lists (integers stay
+    integers, bools bools), non-finite floats to None."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().tolist()
     if isinstance(value, dict):
@@ -592,8 +593,14 @@ def _plain(value):
         return value if math.isfinite(value) else None
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, Real):  # numpy scalars and the like
+    if isinstance(value, Integral):  # numpy's integers stay integers (a count written as 1000.0 before)
+        return int(value)
+    if isinstance(value, Real):  # numpy's floats and the like
         return _plain(float(value))
+    if type(value).__name__ in ("bool", "bool_") and type(value).__module__ == "numpy":  # numpy.bool: not a numbers.Number
+        return bool(value)
+    if hasattr(value, "tolist") and type(value).__module__ == "numpy":  # an ndarray, as a tensor
+        return _plain(value.tolist())
     raise ValueError(f"record: cannot write a {type(value).__name__} as JSON")
 
 
@@ -654,7 +661,7 @@ def _nest(flat: list, shape: tuple) -> list:
 def to_host(values: dict) -> dict:
     """The values with every tensor turned into Python numbers in ONE device->host transfer
     per device (a step's logged losses, counts and norms, gathered at its end instead of a
-    sync per value). 0-D tensors become a number, others (nested) lists of their shape; integer dtypes give ints (exact up to 2**53: they travel as float64).
+    sync per value). 0-D tensors become a number, others (nested) lists of their shape; integer dtypes give ints (exact up to 2**53: they travel as float64), bool tensors bools.
     Other values pass through.
 
     >>> to_host({"loss": torch.tensor(2.5), "counts": torch.tensor([[1, 2], [3, 4]]), "step": 7})
@@ -673,7 +680,9 @@ def to_host(values: dict) -> dict:
         for name in names:
             t = values[name]
             chunk, start = host[start : start + t.numel()], start + t.numel()
-            if not t.is_floating_point():
+            if t.dtype == torch.bool:
+                chunk = [bool(x) for x in chunk]
+            elif not t.is_floating_point():
                 chunk = [int(x) for x in chunk]
             out[name] = chunk[0] if t.ndim == 0 else _nest(chunk, tuple(t.shape))
     return out

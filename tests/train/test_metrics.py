@@ -1180,3 +1180,18 @@ def test_compressed_sparse_attention_flops_count_the_chosen_entries_and_the_inde
     assert flops(0.0, 0.0) - M.model_flops_per_token(plain, n_avg_keys=10.0) == 2 * (per_block + loss)
     frozen = dataclasses.replace(cfg, index_loss_coeff=0.0)  # the indexer's forward alone
     assert M.model_flops_per_token(frozen, n_avg_keys=10.0, n_avg_csa_entries=0.0, n_avg_csa_chosen=0.0) == flops(0.0, 0.0) - 2 * loss
+
+
+def test_logger_writes_numpy_values_as_their_kind(tmp_path):
+    """A numpy integer was written as a float (1000.0), a numpy bool refused as "a bool",
+    an array refused; a bool tensor came back from to_host as [1, 0]."""
+    import numpy as np
+
+    log = M.MetricsLogger(tmp_path, total_steps=2, print_progress=False)
+    log.log(1, {"tokens": np.int64(1000), "ok": np.bool_(True), "lr": np.float32(0.5), "bad": np.float64("nan"),
+                "counts": np.array([1, 2]), "mask": torch.tensor([True, False])})
+    record = M.read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert record == {"step": 1, "tokens": 1000, "ok": True, "lr": 0.5, "bad": None, "counts": [1, 2], "mask": [True, False]}
+    assert type(record["tokens"]) is int and type(record["ok"]) is bool
+    host = M.to_host({"mask": torch.tensor([True, False]), "any": torch.tensor(True), "n": torch.tensor(3)})
+    assert host == {"mask": [True, False], "any": True, "n": 3} and type(host["any"]) is bool and type(host["n"]) is int
