@@ -538,8 +538,9 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
 
 
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
-    """Restore model and optimizers in place from a checkpoint directory; return this rank's
-    extra dict. Fresh optimizers get their state created first (get_state_dict runs one
+    """Restore model and optimizers in place from a checkpoint directory (or a run's out_dir:
+    its newest complete checkpoint, as load_model takes it); return this rank's extra dict
+    (its "step" says which checkpoint it was, for the train loop's). Fresh optimizers get their state created first (get_state_dict runs one
     zero-lr step on zero gradients), then overwritten bit for bit; the parameters the
     checkpoint holds no optimizer state for (no gradient before the save: AdamW and Muon keep
     none) are left without state, as they were then, and so are the optimizers the checkpoint
@@ -552,7 +553,7 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     chunks: the whole model of their config), or optimizers whose state entries the
     checkpoint lacks (another kind or set-up; a parameter with some of its entries saved): a
     ValueError naming them, before anything is read."""
-    path = _checkpoint_dir(path)
+    path = _checkpoint_or_newest(path)  # a run's out_dir was "not a complete checkpoint", though load_model took it
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
         extra_file = path / "extra_rank0.pt"

@@ -597,3 +597,21 @@ def test_pipeline_chunks_saved_before_their_first_step_load_without_state(tmp_pa
     resumed, resumed_opts = chunks()
     ckpt.load(tmp_path / "step_000000", model=resumed, optimizers=resumed_opts)
     assert [len(o.state) for o in resumed_opts] == [0, 0]
+
+
+def test_load_takes_a_run_s_newest_checkpoint_as_load_model_does(tmp_path):
+    """load(out_dir) was "not a complete checkpoint (no .metadata)" though load_model and
+    ModelTensors take the same folder's newest checkpoint."""
+    model, opts = _build()
+    for step in (1, 2):
+        _train(model, opts)
+        ckpt.save(tmp_path, step, model=model, optimizers=opts, extra={"step": step})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    fresh, fresh_opts = _build()
+    assert ckpt.load(tmp_path, model=fresh, optimizers=fresh_opts)["step"] == 2
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "step_000003.tmp").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"path: '.*cut' holds no complete checkpoint"):
+        ckpt.load(tmp_path / "cut", model=fresh, optimizers=fresh_opts)
