@@ -17,6 +17,7 @@ its name (case-insensitive) a file is:
     anything else               UTF-8 text: one document
     (refused: *.zst / *.zstd, decompress them first; tar archives, *.tar / *.tar.gz / *.tgz,
     extract them first; a text or .gz file holding a NUL byte, which text never does)
+    A UTF-8 byte-order mark at the start of a text file or of a JSON Lines file is dropped.
 
 Each non-empty document's text is encoded by a Hugging Face `tokenizers`
 Tokenizer (the `data` extra: pip install 'fmoe[data]') without the tokenizer's
@@ -225,7 +226,7 @@ def _jsonl_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) 
         with opener(path, "rb") as f:
             for number, line in enumerate(f, 1):
                 where = f"{str(path)!r} line {number}"
-                line = _decode(line, where).strip()
+                line = _decode(line, where).removeprefix("\ufeff" if number == 1 else "").strip()  # a BOM: json's error
                 if not line:
                     continue
                 try:
@@ -282,7 +283,7 @@ def _documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Ite
         if b"\0" in data:  # valid UTF-8, but not text: a tar archive by another name, UTF-16, a binary file
             raise ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {data.index(0)}), which text does not; "
                              "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
-        yield repr(str(path)), text
+        yield repr(str(path)), text.removeprefix("\ufeff")  # a byte-order mark (Windows editors' UTF-8) is not text
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

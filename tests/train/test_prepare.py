@@ -492,3 +492,23 @@ def test_cli_separator_id_is_ascii_digits(tmp_path, capsys):
         assert f"error: separator: the tokenizer has no token '{separator}'" in capsys.readouterr().err
     assert main([str(tmp_path / "w.txt"), str(tmp_path / "o.u16"), f"--tokenizer={tok}", "--separator=3"]) == 0
     assert json.loads((tmp_path / "o.u16.index.json").read_text())["separator"] == 3
+
+
+def test_a_byte_order_mark_is_not_a_token(tmp_path, tokenizer_path):
+    """A UTF-8 file saved with a byte-order mark (Windows editors) trained its BOM as the
+    document's first token; a JSON-lines file with one failed at line 1 as not JSON."""
+    import gzip
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    expected = tok.encode("just one file", add_special_tokens=False).ids
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"\xef\xbb\xbfjust one file")
+    (src / "b.txt.gz").write_bytes(gzip.compress(b"\xef\xbb\xbfjust one file"))
+    (tmp_path / "r.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "just one file"}\n{"text": "\xef\xbb\xbfjust one file"}\n')
+    for source, out in ((src, "t.u16"), (tmp_path / "r.jsonl", "r.u16")):
+        prepare(source, tmp_path / out, tokenizer=tokenizer_path, progress=False)
+        docs = load_corpus(tmp_path / out)
+        assert len(docs) == 2
+        first, second = (docs.document(i).tolist()[:-1] for i in range(2))
+        assert first == expected and (second == expected) == (out == "t.u16")  # a BOM inside a record's text is the record's
