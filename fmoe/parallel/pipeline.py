@@ -346,7 +346,7 @@ class Pipeline:
             self.modules.append(module)
             self._metas.append((inputs, outputs))
             self.stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=inputs, output_args=outputs, group=group))
-        self._schedules: dict[int, object] = {}
+        self._schedule: Optional[tuple[int, object]] = None  # (n, the torch schedule of the last step)
         self.tied_group = self._tied_group(cfg)
 
     # ------------------------------------------------------------------ the schedule
@@ -355,8 +355,11 @@ class Pipeline:
         check_micro_batches(self.schedule_name, n, self.pp, self.virtual)
 
     def schedule(self, n: int):
-        """The torch schedule for n micro-batches (built once per n)."""
-        if n not in self._schedules:
+        """The torch schedule for n micro-batches: the last step's when it had n too, else a
+        new one. A torch schedule sizes its stages' buffers for its n at its first step
+        only: one kept for each n ran a count used before (3, 2, 3) on the buffers of the
+        count between (torch's "Chunk id 2 is out of range" on one rank, the others hung)."""
+        if self._schedule is None or self._schedule[0] != n:
             import torch.distributed.pipelining as pipelining
 
             self.check_micro_batches(n)
@@ -365,8 +368,8 @@ class Pipeline:
             if cls is None:
                 raise ValueError(f"pp_schedule: {self.schedule_name} ({cls_name}) is not in this torch's torch.distributed.pipelining")
             stages = self.stages[0] if style == "one" else self.stages
-            self._schedules[n] = cls(stages, n, loss_fn=_loss_is_output, scale_grads=False)
-        return self._schedules[n]
+            self._schedule = (n, cls(stages, n, loss_fn=_loss_is_output, scale_grads=False))
+        return self._schedule[1]
 
     def step(self, micro_batches: Sequence[MicroBatch]) -> tuple[dict, dict]:
         """Forward and backward of one optimizer step's micro-batches (this rank's share)

@@ -189,7 +189,49 @@ def _refusals():
     return errors
 
 
+def _changing_counts():
+    """Steps of 3, 2, then 3 micro-batches (a batch-size schedule that goes down and up) give
+    one process's loss and gradients at each step: the schedule kept for 3 ran on stages
+    that the one for 2 had prepared for 2 ("Chunk id 2 is out of range" on one rank, the
+    other waiting)."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import MicroBatch, Pipeline, all_reduce_sums, build_meshes, materialize, parallelize
+
+    cfg = TransformerConfig(**{**TINY, "n_layers": 2, "mtp_depth": 0})
+    meshes = build_meshes(pp=2)
+    ref = Transformer(cfg)
+    ref.reset_parameters(seed=0)
+
+    def lm(losses, stats, batch, model):
+        return (None if losses is None else losses["lm_sum"]), ({} if losses is None else {"lm_sum": losses["lm_sum"].detach()})
+
+    pipe = Pipeline(cfg, meshes, schedule="gpipe", virtual=1, loss_fn=lm, tokens=T, device="cpu", dtype=torch.float32,
+                    parallelize=lambda m: parallelize(m, meshes), materialize=lambda m: materialize(m, "cpu", seed=0))
+    errors = {}
+    for step, n in enumerate((3, 2, 3)):
+        batches = _batches(n, seed=10 + step)
+        ref.zero_grad(set_to_none=True)
+        ref_lm = 0.0
+        for b in batches:
+            loss = ref(b, ref.context(b))[0]["lm_sum"]
+            loss.backward()
+            ref_lm += float(loss)
+        for chunk in pipe.chunks:
+            chunk.zero_grad(set_to_none=True)
+        logged, _ = pipe.step([MicroBatch(b) for b in batches])
+        pipe.sync_tied_grads()
+        got = float(all_reduce_sums({"lm": logged.get("lm_sum", torch.zeros(()))}, dist.group.WORLD)["lm"])
+        errors[f"step{step}.lm_loss"] = abs(got - ref_lm) / ref_lm
+        ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+        for chunk in pipe.chunks:
+            for name, p in chunk.named_parameters():
+                errors[f"step{step}.{name}"] = float((_full(p.grad) - ref_grads[name]).abs().max() / ref_grads[name].abs().max())
+    return errors
+
+
 CASES = {
+    # micro-batch counts that go down and up again between steps
+    "changing_counts": (2, _changing_counts),
     # refusals alike on every rank, and the tied embedding's sum with a loss that leaves the MTP modules out
     "refusals": (2, _refusals),
     # 2 trunk layers: stage 0 holds only the dense block (no MoE layer: it joins every collective all the same)
