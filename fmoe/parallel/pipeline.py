@@ -270,7 +270,8 @@ class Pipeline:
         schedule: a name in SCHEDULES. virtual: stages per rank (pp_virtual).
         loss_fn: see LossFn; the train loop's losses of one micro-batch on one stage.
         tokens: the tokens of a micro-batch on this rank (T / cp), for the stages' buffers.
-        device, dtype: where the stages run and the compute dtype of the hidden states.
+        device, dtype: where the stages run and the compute dtype of the hidden states:
+            param_dtype's when it is given, else the parameters' (ValueError otherwise).
         layers_per_stage: explicit stage sizes (stage_layers), or None for an even split (of
             whole pairs with cfg.shortcut_moe).
         parallelize: a function (model) -> None that shards a meta-device chunk over the
@@ -292,6 +293,9 @@ class Pipeline:
         check_schedule(schedule, virtual)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point torch.dtype for the hidden states between stages, got {dtype!r}")
+        if param_dtype is not None and dtype != param_dtype:  # buffers of one size, hidden states of another: gloo aborted
+            raise ValueError(f"dtype: the hidden states between stages are computed in param_dtype ({param_dtype}, FSDP2's mixed "
+                             f"precision), got dtype {dtype}")
         for name, fn in (("loss_fn", loss_fn), ("parallelize", parallelize), ("materialize", materialize)):
             if not callable(fn):
                 raise ValueError(f"{name}: expected a callable, got {type(fn).__name__}")
@@ -333,6 +337,11 @@ class Pipeline:
             pipeline_chunk(model, chunk)
             parallelize(model)
             materialize(model)
+            held = {p.dtype for p in model.parameters() if p.is_floating_point()}
+            if param_dtype is None and dtype not in held:  # the stage computes in its parameters' dtype
+                raise ValueError(f"dtype: the hidden states between stages are computed in the parameters' dtype "
+                                 f"({', '.join(sorted(map(str, held)))}) without a param_dtype, got dtype {dtype}; "
+                                 "give param_dtype for mixed precision")
             module = StageModule(model, loss_fn)
             shard_unit(module, mesh=dense_data_mesh(meshes), mp_policy=mp)
             module.set_gradient_divide_factor(1.0)

@@ -149,8 +149,8 @@ def _refusals():
     def lm_only(losses, stats, batch, model):
         return (None if losses is None else losses["lm_sum"]), {}
 
-    def make(cfg, tokens=T, layers_per_stage=None):
-        return Pipeline(cfg, meshes, schedule="gpipe", virtual=1, loss_fn=lm_only, tokens=tokens, device="cpu", dtype=torch.float32,
+    def make(cfg, tokens=T, layers_per_stage=None, dtype=torch.float32):
+        return Pipeline(cfg, meshes, schedule="gpipe", virtual=1, loss_fn=lm_only, tokens=tokens, device="cpu", dtype=dtype,
                         parallelize=lambda m: parallelize(m, meshes), materialize=lambda m: materialize(m, "cpu", seed=0),
                         layers_per_stage=layers_per_stage)
 
@@ -165,7 +165,11 @@ def _refusals():
                index_head_dim=4, index_shared_layers=(2,))
     errors = {"split_refused_on_every_rank": refused(lambda: make(TransformerConfig(**{**TINY, **dsa}), layers_per_stage=[2, 2]),
                                                      "chunk: block 2 attends to the keys block 1 chose"),
-              "tokens_refused": refused(lambda: make(TransformerConfig(**TINY), tokens=0), "tokens: expected >= 1, got 0")}
+              "tokens_refused": refused(lambda: make(TransformerConfig(**TINY), tokens=0), "tokens: expected >= 1, got 0"),
+              # float32 stages sent into bf16 buffers: gloo aborted the receiving rank in the first step
+              "dtype_refused": refused(lambda: make(TransformerConfig(**TINY), dtype=torch.bfloat16),
+                                       "dtype: the hidden states between stages are computed in the parameters' dtype (torch.float32) "
+                                       "without a param_dtype, got dtype torch.bfloat16")}
     pipe = make(TransformerConfig(**TINY))
     batches = _batches(2)
     from fmoe.train.data import make_batch
@@ -354,6 +358,8 @@ def _pipeline(**changed):
     (dict(device="cuda:0"), r"device: expected a cpu device, the meshes' device type, got cuda:0"),  # was accepted
     (dict(device="gpu0"), r"device: expected a torch.device or its name, got 'gpu0'"),
     (dict(meshes=object()), r"meshes: built without a pipeline axis"),  # was an AttributeError
+    (dict(dtype=torch.bfloat16, param_dtype=torch.float16),  # buffers of one dtype, hidden states of another: gloo aborted
+     r"dtype: the hidden states between stages are computed in param_dtype \(torch.float16, FSDP2's mixed precision\), got dtype torch.bfloat16"),
 ])
 def test_pipeline_names_a_bad_argument_before_building_a_stage(changed, message):
     with pytest.raises(ValueError, match=message):
