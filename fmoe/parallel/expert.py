@@ -81,7 +81,9 @@ all-to-alls: the one device->host sync per MoE layer (the count exchange, when e
 etp > 1), and data-dependent shapes, which fullgraph compilation refuses. Every rank
 takes part in every collective, with zero rows or experts that receive nothing too (a
 skipped collective is a hang); ExpertParallel checks the caller's inputs before the first
-collective, so a mistake raises on every rank alike.
+collective, so a mistake every rank makes (a shape, a dtype, a knob) raises on every rank
+alike. A T above max_tokens on some ranks only raises on those: the others wait in the
+all-to-all (knowing another rank's T would take a collective per call).
 
 Nothing is kept between calls: ExpertParallel holds its meshes and max_tokens, and dispatch
 returns what combine needs as a frozen DispatchMeta (dispatch_padded: a PaddedDispatchMeta).
