@@ -10,7 +10,8 @@ performance numbers), `--out DIR` (where the CSV goes, default bench_out/) and `
 trace in OUT/profile/<benchmark>-<label>.json and its ops by self time, the device's on
 CUDA, appended to OUT/profile/<benchmark>.txt; the timings are taken before, unprofiled).
 
-Two times per call on CUDA. bench(): triton.testing.do_bench, events around each call and
+Two times per call on CUDA. bench(): the median of at least 5 calls (do_bench's method, more
+calls where do_bench's 100 ms would time fewer than 5), events around each call and
 nothing queued ahead of them, so a call costs whichever side is slower: for small ops, whose
 host cost per call (custom-op dispatch, autograd, Triton's launcher: 100-250 us) exceeds
 their kernels', the device waits for each launch and the time is the host's. device_ms():
@@ -37,7 +38,6 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402  (after TRITON_INTERPRET is decided)
-import triton.testing  # noqa: E402
 
 from fmoe.train.profile import activities, ops_table  # noqa: E402
 
@@ -81,18 +81,43 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
 
 
-SLOW_MS = 250.0  # bench(): a warm CUDA call this slow is timed alone
+SLOW_MS = 250.0  # bench(): a warm CUDA call this slow skips the 5-call estimate and its warm-up: MIN_SAMPLES timed calls
+MIN_SAMPLES = 5  # bench(): every CUDA time is the median of at least this many timed calls
+WARMUP_MS, REP_MS = 25.0, 100.0  # bench(): do_bench's defaults, the milliseconds of untimed and of timed calls
+
+
+def cuda_plan(estimate_ms: float) -> tuple[int, int]:
+    """(untimed warm-up calls, timed calls) of bench() on CUDA for a call of about estimate_ms:
+    do_bench's (WARMUP_MS of warm-up, REP_MS of timed calls: max(1, int(25 / estimate)) and
+    int(100 / estimate)), but never fewer than MIN_SAMPLES timed calls (do_bench timed ONE
+    call of 50 ms or more); a call of SLOW_MS or more gets no more warm-up (bench() already
+    ran it twice) and exactly MIN_SAMPLES timed calls, so that its cost stays bounded."""
+    if estimate_ms >= SLOW_MS:
+        return 0, MIN_SAMPLES
+    estimate_ms = max(estimate_ms, 1e-4)
+    return max(1, int(WARMUP_MS / estimate_ms)), max(MIN_SAMPLES, int(REP_MS / estimate_ms))
+
+
+def _l2_flush(device: torch.device) -> torch.Tensor:
+    """256 MB that bench() zeroes before each timed call: flushes the L2 cache, as do_bench's buffer does."""
+    return torch.empty(256 << 18, dtype=torch.int32, device=device)
 
 
 def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3, *, label: Optional[str] = None) -> float:
     """Median time of fn() in milliseconds.
 
-    CUDA: triton.testing.do_bench (it flushes the L2 cache between calls); each call is
-    timed from its launch, so where the host's cost of a call exceeds the device's, the time
-    is the host's (device_ms gives the device's). A call that takes SLOW_MS or more (a
-    token-by-token reference over thousands of tokens) is timed once alone, after one
-    untimed call, instead of do_bench's dozen (its estimate, warm-up and repeats). CPU: cpu_warmup untimed calls, then the
-    median of cpu_repeats calls timed with perf_counter.
+    CUDA: the median of at least MIN_SAMPLES = 5 timed calls, for any call length, each timed
+    by events around it from its launch, behind a zeroed 256 MB buffer that flushes the L2
+    cache (outside the events), as triton.testing.do_bench does: where the host's cost of a
+    call exceeds the device's, the time is the host's (device_ms gives the device's). How
+    many: one untimed call (compiles, autotunes), one timed by the host (the estimate); a
+    call under SLOW_MS is then estimated again as do_bench does (5 calls behind their flush,
+    between two events), warmed for WARMUP_MS and timed for REP_MS, at least MIN_SAMPLES
+    calls (cuda_plan); a call of SLOW_MS or more (a token-by-token reference, a whole train
+    step) is timed exactly MIN_SAMPLES times, with no more warm-up: MIN_SAMPLES + 2 calls in
+    all. (do_bench's own count, int(100 / estimate) calls, gave a "median" of one sample for
+    a call of 50 ms or more.) CPU (--smoke, whose times are not performance numbers):
+    cpu_warmup untimed calls, then the median of cpu_repeats calls timed with perf_counter.
     With --profile, one more call is then profiled under `label` (profile_call); a timing
     without a label (the copy-bandwidth and matmul-rate probes) is not.
     """
@@ -102,9 +127,29 @@ def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3, *
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-        ms = (time.perf_counter() - start) * 1e3
-        if ms < SLOW_MS:
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        estimate = (time.perf_counter() - start) * 1e3
+        flush = _l2_flush(device)  # freed on return, as do_bench's
+        if estimate < SLOW_MS:  # do_bench's estimate: 5 calls, each behind its flush
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
+            for _ in range(5):
+                flush.zero_()
+                fn()
+            last.record()
+            torch.cuda.synchronize()
+            estimate = first.elapsed_time(last) / 5
+        n_warmup, n_timed = cuda_plan(estimate)
+        for _ in range(n_warmup):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_timed)]
+        for begin, end in events:
+            flush.zero_()
+            begin.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(begin.elapsed_time(end) for begin, end in events)
+        del flush
     else:
         for _ in range(cpu_warmup):
             fn()

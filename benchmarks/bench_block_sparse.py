@@ -22,9 +22,17 @@ Implementations (the whole layer: projections, RoPE, the indexer's choice, atten
 Passes: fwd, and fwd+bwd (the gradients of x and the four projections for a fixed upstream
 gradient; the indexer's loss off). Each case first checks kernel against dense-mask (output and
 gradients) where both fit. Table: median ms, the speedups over dense-mask and full, CUDA peak
-memory, the mean keys a query attends to, and the floor fraction: the attention's useful
-FLOPs, 2 T N keys (D + Dv) for fwd and x 3.5 for fwd+bwd, plus the projections' 2 T H (N D +
-2 D + N D) x (1 or 3), over the bf16 matmul rate measured in the same run. An implementation
+memory, the mean keys a query attends to (keys_per_query), and the floor fraction: the useful
+FLOPs (layer_flops), the attention's 2 T N keys (D + Dv) plus the projections' 2 T H (N D +
+2 G D + N D), x 1 for fwd and x 3 for fwd+bwd (matmul backward = 2x forward, no recomputation
+counted, as fmoe.train.metrics counts attention), over the bf16 matmul rate measured in the
+same run (the indexer's own FLOPs are not counted). keys_per_query: kernel and dense-mask, the
+slots the kernel's run filled (block_index_slots' index >= 0, counted on one forward of the
+layer; both attend under the same choice), which block_keys_per_query gives in closed form: a
+query t sees its own block up to itself (t % block + 1 keys) and the topk - 1 other chosen
+blocks whole, min(topk - 1, t // block) x block, in all min(K, t + 1) for t < K = topk x block
+and about K - block / 2 after (mean m3-8k 1744.5, m3-32k 1924.5, where min(K, t + 1) gave 1792.1
+and 1984.0); full, (T + 1) / 2. An implementation
 that runs out of memory gets an empty row (the dense mask at m3-32k: T^2 bytes per kv head, and
 SDPA's scores under it).
 
@@ -42,6 +50,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 )
 
 import torch  # noqa: E402
+import fmoe.layers  # noqa: E402
 from fmoe.layers import AttentionConfig, attention, attention_context, index_shapes  # noqa: E402
 from fmoe.ops import positions_from_cu_seqlens  # noqa: E402
 
@@ -64,6 +73,42 @@ def make_cases(smoke: bool) -> list[Case]:
     if smoke:
         return [Case("m3-8k", 48, 32, 2, 1, 16, 4, 3)]
     return [Case("m3-8k", 8192, 6144, 16, 1, 128, 128, 16), Case("m3-32k", 32768, 6144, 16, 1, 128, 128, 16)]
+
+
+def block_keys_per_query(T: int, block: int, topk: int) -> float:
+    """The mean keys a query of a causal document of T tokens attends to when it keeps topk
+    blocks of `block` keys, its own among them (index_local_blocks = 1): query t sees t % block
+    + 1 keys of its own block and min(topk - 1, t // block) earlier blocks whole (blocks of
+    no visible key are never chosen)."""
+    return sum(min(topk - 1, t // block) * block + t % block + 1 for t in range(T)) / T
+
+
+def layer_flops(T: int, H: int, N: int, G: int, D: int, keys: float, fwd_bwd: bool) -> float:
+    """Useful FLOPs of the layer: the projections' 2 T H (2 N D + 2 G D) (wq and wo, wk and wv)
+    and each query head's scores and weighted values over its keys, 2 T N keys (D + D); fwd+bwd
+    3x (matmul backward = 2x forward, no recomputation)."""
+    return (3 if fwd_bwd else 1) * (2 * T * H * (2 * N * D + 2 * G * D) + 2 * T * N * keys * 2 * D)
+
+
+def counted_keys(forward, G: int, T: int) -> float:
+    """The mean keys per query and kv head of the kernel's run: the slots block_index_slots
+    fills (>= 0) in one call of forward()."""
+    seen, slots = [], fmoe.layers.block_index_slots
+
+    def spy(*args, **kwargs):
+        out = slots(*args, **kwargs)
+        seen.append(int((out >= 0).sum()))
+        return out
+
+    fmoe.layers.block_index_slots = spy
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        fmoe.layers.block_index_slots = slots
+    if len(seen) != 1:
+        raise RuntimeError(f"expected one call of block_index_slots in the kernel's forward, got {len(seen)}")
+    return seen[0] / (G * T)
 
 
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) -> list[dict]:
@@ -103,21 +148,23 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     except torch.OutOfMemoryError:
         print(f"{case.name}: the dense mask does not fit; kernel not checked against it here (tests/test_attention.py does)", flush=True)
         torch.cuda.empty_cache()
-    # the keys a query attends to, on average: query t sees min(K, t + 1) of them, K = topk x block (full: t + 1)
-    K, T = case.topk * case.block, case.T
-    keys = {"full": (T + 1) / 2, "kernel": (T * (T + 1) / 2 if T <= K else K * (K + 1) / 2 + (T - K) * K) / T}
-    keys["dense-mask"] = keys["kernel"]
-    proj_flops = 2 * T * case.H * (2 * N * D + 2 * G * D)  # wq and wo, wk and wv
+    # the keys a query attends to, on average: counted on the kernel's run (the same choice as dense-mask's); full: t + 1
+    T = case.T
+    chosen = counted_keys(lambda: layer("kernel"), G, T)
+    expected = block_keys_per_query(T, case.block, case.topk)
+    if abs(chosen - expected) > 1e-6 * expected:
+        print(f"{case.name}: the kernel's run attends to {chosen:.6g} keys per query, block_keys_per_query {expected:.6g}", flush=True)
+    keys = {"full": (T + 1) / 2, "kernel": chosen, "dense-mask": chosen}
     rows, ms = [], {}
-    for pass_name, step, mult in (("fwd", fwd, 1.0), ("fwd+bwd", fwd_bwd, 3.5)):
+    for pass_name, step in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         for name in cfgs:
             seen = keys[name]
-            flops = mult * (proj_flops + 2 * T * N * seen * 2 * D)  # each query head's scores and weighted values over the keys it sees
+            flops = layer_flops(T, case.H, N, G, D, seen, pass_name == "fwd+bwd")
             ms[name], peak = time_and_peak(lambda name=name: step(name), device, f"{case.name}-{pass_name}-{name}")
             rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], "peak_GiB": None if peak is None else peak / 2**30,
                          "keys_per_query": seen, "floor_fraction": None if ms[name] is None else flops / rate * 1e3 / ms[name],
                          "T": case.T, "H": case.H, "N": N, "G": G, "D": D, "block": case.block, "topk": case.topk,
-                         "dtype": str(dtype).removeprefix("torch.")})
+                         "dtype": str(dtype).removeprefix("torch."), "flops": flops})
         kernel_row = rows[-len(cfgs)]
         for base in ("dense-mask", "full"):
             kernel_row[f"speedup_vs_{base.replace('-', '_')}"] = ms[base] / ms["kernel"] if ms.get(base) and ms.get("kernel") else None

@@ -26,10 +26,16 @@ Implementations, each checked to give the same next-token logits before timing:
 
 Table: median ms per step (every sequence one token); tokens_per_s = B / step; speedup = this
 impl's ms / fmoe's ms (how much longer it takes); floor_fraction (fmoe only): the bytes a step
-must read at least, at the copy bandwidth measured in the same run, over the measured time:
-every dense weight, min(E, B k) experts' weights per MoE block (the most distinct experts B
-tokens can pick) and the B sequences' cached keys and values; cache_mib (fmoe only): the
-KV cache's size (KVCache.nbytes). CSV: OUT/bench_decode.csv.
+must move at least (floor_bytes), at the copy bandwidth measured in the same run, over the
+measured time: every dense weight (the embedding's B rows alone), the weights of the experts
+the step routed to (per MoE block the distinct experts its B tokens chose, counted on the
+step itself: routed_experts, from each block's tokens_per_expert; at most min(E, B k), fewer
+where tokens share an expert) and, per attending layer and sequence, the key/value rows the
+decoded position P sees, itself included (the earlier ones read from the cache, its own
+written to it): P + 1 in a full layer, min(P + 1, window) in a sliding-window one, P % chunk
++ 1 in a chunked one (its own chunk up to itself: at P = 1024, chunks of 512, just itself);
+experts (CSV column experts_read) is the sum over MoE blocks of the distinct experts.
+cache_mib (fmoe only): the KV cache's size (KVCache.nbytes). CSV: OUT/bench_decode.csv.
 """
 
 import math
@@ -69,18 +75,49 @@ def configs(smoke: bool) -> dict:
                                      rope_dim=64, q_rank=1536, kv_rank=512, v_head_dim=128)}
 
 
-def floor_bytes(model: Transformer, cache, B: int) -> int:
-    """Bytes a step must read: the dense weights, min(E, B k) experts per MoE block, the
-    B sequences' filled cache rows (keys, and values unless they are a view of them; a
-    sliding-window layer's ring: the window's rows)."""
+def routed_experts(model: Transformer, step) -> list[int]:
+    """The distinct experts each MoE block sent the tokens of one call of step() to (its
+    stats["tokens_per_expert"] above 0; zero-computation experts left out), block by block."""
+    used = []
+
+    def hook(module, args, out):
+        used.append(int((out[1]["tokens_per_expert"][:module.cfg.n_experts] > 0).sum()))
+
+    handles = [m.register_forward_hook(hook) for m in model.moe_layers().values()]
+    try:
+        with torch.no_grad():
+            step()
+    finally:
+        for h in handles:
+            h.remove()
+    if len(used) != len(model.moe_layers()):
+        raise RuntimeError(f"expected one call of each of the {len(model.moe_layers())} MoE blocks, got {len(used)}")
+    return used
+
+
+def visible_rows(cfg: TransformerConfig, layer: int, position: int) -> int:
+    """The key/value rows the token at `position` of a sequence sees in attending layer
+    `layer`, itself included: position + 1, a sliding window's min(position + 1, window), a
+    chunk's position % chunk + 1."""
+    if cfg.is_local(layer):
+        return min(position + 1, cfg.window) if cfg.window is not None else position % cfg.chunk + 1
+    return position + 1
+
+
+def floor_bytes(model: Transformer, cache, B: int, experts_used: list[int]) -> int:
+    """Bytes a step must move: the dense weights (the embedding's B rows), the weights of
+    experts_used[i] experts in MoE block i (routed_experts: the distinct experts the step
+    chose), and per attending layer and sequence b the key/value rows position lengths[b] sees
+    (visible_rows: read from the cache, its own row written; keys, and values unless they are
+    a view of them)."""
     cfg = model.cfg
     expert_params = sum(p.numel() for m in model.moe_layers().values() for p in m.experts.parameters())
     dense_params = sum(p.numel() for p in model.parameters()) - expert_params - model.embed.numel() + B * cfg.hidden
     per_expert = expert_params // (cfg.n_experts * len(model.moe_layers()))
-    experts_read = len(model.moe_layers()) * min(cfg.n_experts, B * cfg.k) * per_expert
+    experts_read = sum(experts_used) * per_expert
     size = model.embed.element_size()
     row = math.prod(cache.k.shape[2:]) + (0 if cache.v_in_k else math.prod(cache.v.shape[2:]))  # one token of one layer (both stores)
-    rows = len(cache.full_layers) * sum(cache.lengths) + len(cache.window_layers) * sum(min(n, cache.window or 0) for n in cache.lengths)
+    rows = sum(visible_rows(cfg, i, n) for i in (*cache.full_layers, *cache.window_layers) for n in cache.lengths)
     return size * (dense_params + experts_read + rows * row)
 
 
@@ -117,8 +154,10 @@ def run(name: str, cfg: TransformerConfig, device, dtype, bandwidth: float, smok
                 sys.exit(f"{name}, B={B}: {impl}'s logits differ from fmoe batched's by {float((got - want).abs().max()):.3g}")
             ms = bench(fn, device, label=f"{name}-B{B}-{impl}")
             rows.append({"model": name, "B": B, "impl": impl, "ms": ms, "tokens_per_s": B / ms * 1e3, "P": P})
+        experts_used = routed_experts(model, batched)  # the step's own choice (the same tokens every call)
         cache.lengths = [P] * B
-        rows[-3]["floor_fraction"] = floor_fraction(floor_bytes(model, cache, B), bandwidth, rows[-3]["ms"])
+        rows[-3]["floor_fraction"] = floor_fraction(floor_bytes(model, cache, B, experts_used), bandwidth, rows[-3]["ms"])
+        rows[-3]["experts_read"] = sum(experts_used)
         rows[-3]["cache_mib"] = cache.nbytes / 2**20
         for row in rows[-2:]:
             row["speedup"] = row["ms"] / rows[-3]["ms"]

@@ -8,7 +8,9 @@ Cases (JetMoE-8B's attention: H = 2048, 8 attention experts, 2 per token, each 1
 over the 16 shared kv heads of 128 channels; documents of 2048 tokens):
     jetmoe-8k     T = 8192
     jetmoe-16k    T = 16384
---smoke: H = 32, 3 experts, 2 per token, 2 kv heads of 16 channels, T = 48, float32.
+--smoke: H = 32, 3 experts, 2 per token, 2 kv heads of 16 channels, T = 48, float32; moa with
+impl="triton" (its routing, permute and grouped GEMMs by the Triton kernels, through the
+interpreter; "auto" would take the torch path on CPU and check loop against itself).
 
 Implementations (the whole layer: the router, the projections, RoPE, attention, the outputs):
     moa     impl="auto": the experts' query and output projections as routed linear layers
@@ -23,9 +25,11 @@ Implementations (the whole layer: the router, the projections, RoPE, attention, 
 Passes: fwd, and fwd+bwd (the gradients of x and every weight for a fixed upstream gradient;
 the router's balance loss in the backward). Each case first checks moa against loop (output and
 gradients). Table: median ms, moa's speedup over loop and its time over gqa's, CUDA peak memory,
-and the floor fraction: the useful FLOPs over the bf16 matmul rate measured in the same run, the
-projections' 2 T H (2 N D + 2 G D) and the attention's 2 T N keys 2 D (keys: the mean a query
-sees in its document), x 3 (projections) and x 3.5 (attention) for fwd+bwd.
+and the floor fraction: the useful FLOPs (layer_flops) over the bf16 matmul rate measured in the
+same run, the projections' 2 T H (2 N D + 2 G D) and the attention's 2 T N keys 2 D (keys: the
+mean a query sees in its document, (doc + 1) / 2), x 3 for fwd+bwd, projections and attention
+alike (matmul backward = 2x forward, no recomputation counted, as fmoe.train.metrics counts
+attention; the router's 2 T H E is left out).
 
 The CSV goes to OUT/bench_moa.csv.
 """
@@ -34,6 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    SMOKE,
     case_done,
     check_agree,
     run_rate_cases,
@@ -65,11 +70,20 @@ def make_cases(smoke: bool) -> list[Case]:
     return [Case("jetmoe-8k", 8192, 2048, 2048, 8, 2, 16, 128), Case("jetmoe-16k", 16384, 2048, 2048, 8, 2, 16, 128)]
 
 
+def layer_flops(T: int, H: int, N: int, G: int, D: int, keys: float, fwd_bwd: bool) -> float:
+    """Useful FLOPs of the layer: the projections' 2 T H (2 N D + 2 G D) (a token's k experts'
+    query and output projections, N = k G heads, and the shared wk, wv) and the attention's
+    2 T N keys 2 D (scores and weighted values); fwd+bwd 3x (matmul backward = 2x forward, no
+    recomputation)."""
+    return (3 if fwd_bwd else 1) * (2 * T * H * (2 * N * D + 2 * G * D) + 2 * T * N * keys * 2 * D)
+
+
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) -> list[dict]:
     E, k, G, D, H, T = case.E, case.k, case.G, case.D, case.H, case.T
     N = k * G
     moa = AttentionConfig(n_heads=N, n_kv_heads=G, head_dim=D, moa_experts=E, moa_topk=k)
-    cfgs = {"moa": moa, "loop": dataclasses.replace(moa, impl="torch"), "gqa": AttentionConfig(n_heads=N, n_kv_heads=G, head_dim=D)}
+    # --smoke: the Triton kernels through the interpreter ("auto" is the torch path on CPU)
+    cfgs = {"moa": dataclasses.replace(moa, impl="triton") if SMOKE else moa, "loop": dataclasses.replace(moa, impl="torch"), "gqa": AttentionConfig(n_heads=N, n_kv_heads=G, head_dim=D)}
     g = torch.Generator(device=device).manual_seed(0)
 
     def weight(*shape, fan_in):
@@ -104,15 +118,15 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     check_agree(case.name, outs, ("moa", "loop"), dtype)
     del outs
     keys = (case.doc + 1) / 2  # the mean keys a query sees in its document
-    proj = 2 * T * H * (2 * N * D + 2 * G * D)
     rows, ms = [], {}
-    for pass_name, step, mult in (("fwd", fwd, (1.0, 1.0)), ("fwd+bwd", fwd_bwd, (3.0, 3.5))):
-        flops = mult[0] * proj + mult[1] * 2 * T * N * keys * 2 * D
+    for pass_name, step in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        flops = layer_flops(T, H, N, G, D, keys, pass_name == "fwd+bwd")
         for name in cfgs:
             ms[name], peak = time_and_peak(lambda name=name: step(name), device, f"{case.name}-{pass_name}-{name}")
             rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], "peak_GiB": None if peak is None else peak / 2**30,
                          "floor_fraction": None if ms[name] is None else flops / rate * 1e3 / ms[name], "T": T, "H": H, "E": E, "k": k,
-                         "G": G, "D": D, "doc": case.doc, "dtype": str(dtype).removeprefix("torch.")})
+                         "G": G, "D": D, "doc": case.doc, "dtype": str(dtype).removeprefix("torch."), "flops": flops,
+                         "layer_impl": cfgs[name].impl})
         moa_row = rows[-len(cfgs)]
         if ms.get("moa"):
             moa_row["speedup_vs_loop"] = ms["loop"] / ms["moa"] if ms.get("loop") else None

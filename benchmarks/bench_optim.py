@@ -21,9 +21,17 @@ other parameters, i.e. Muon):
     torch fused + clip          torch.nn.utils.clip_grad_norm_ (the gradients scaled in
                     place), then torch fused's step (torch foreach's on CPU)
     muon (matrices) fmoe.optim.Muon over the tensors with ndim >= 2 (extra_rows)
+    torch muon (matrices)  torch.optim.Muon (torch >= 2.9) over the same matrices, each
+                    expert of a stack its own 2-D tensor (torch's Muon takes 2-D parameters
+                    alone), the same hyperparameters (lr 1e-3, momentum 0.95, nesterov, 5
+                    Newton-Schulz steps in bf16 with the same coefficients, weight decay 0.01,
+                    Moonlight's 0.2 sqrt(max(m, n)) scale: adjust_lr_fn "match_rms_adamw"):
+                    Muon's baseline, the same work
 
 Columns: median ms per step, state GiB (moments and masters, not the step counters), the
-ratio of time to the baseline, and the fraction of the bandwidth floor: bytes read and
+ratio of time to the baseline (the AdamW rows: torch fused, torch foreach on CPU; the Muon
+rows: torch muon, the same work; empty where torch has no Muon; the CSV's baseline column
+names it), and the fraction of the bandwidth floor (AdamW rows; Muon is matmul-bound): bytes read and
 written per step (params read+write, grads read, each moment read+write, at their dtypes)
 over the copy bandwidth measured in the same run, divided by the time; the clipped rows
 count one more read of the gradients (the norm), the least any clip + step moves. Goal on an H100:
@@ -101,13 +109,35 @@ def state_bytes(opt) -> int:
 
 def extra_rows(params, device, bandwidth) -> list[dict]:
     """Muon's step over the matrices (ndim >= 2; the vectors belong to AdamW): five
-    Newton-Schulz iterations per matrix, each expert of a stack its own matrix. Matmul-bound,
-    so no bandwidth fraction."""
+    Newton-Schulz iterations per matrix, each expert of a stack its own matrix, by fmoe's Muon
+    and by torch.optim.Muon (where torch has it) with the same hyperparameters over the same
+    matrices as 2-D tensors (copies, with copies of the gradients). Matmul-bound, so no
+    bandwidth fraction."""
     matrices = [p for p in params if p.ndim >= 2]
-    opt = Muon(matrices)
+    opt = Muon(matrices, lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.01, ns_steps=5, scale="moonlight")
     opt.step()  # creates the momentum buffers
     ms = bench(opt.step, device, label="muon")
-    return [{"impl": "muon (matrices)", "ms": ms, "state_GiB": state_bytes(opt) / 2**30, "params": sum(p.numel() for p in matrices)}]
+    rows = [{"impl": "muon (matrices)", "ms": ms, "state_GiB": state_bytes(opt) / 2**30, "params": sum(p.numel() for p in matrices),
+             "baseline": "torch muon (matrices)"}]
+    del opt
+    if not hasattr(torch.optim, "Muon"):
+        print("torch.optim.Muon: not in this torch (2.9 or later); muon's ratio_vs_baseline left empty", flush=True)
+        return rows
+    flat = []  # every 2-D matrix of the same tensors, its own leaf with its gradient's copy
+    for p in matrices:
+        for w, g in zip(p.detach().reshape(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:])):
+            leaf = w.clone().requires_grad_()
+            leaf.grad = g.clone()
+            flat.append(leaf)
+    ref = torch.optim.Muon(flat, lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.01, ns_steps=5, adjust_lr_fn="match_rms_adamw")
+    ref.step()  # creates the momentum buffers
+    ms = bench(ref.step, device, label="torch muon")
+    rows.append({"impl": "torch muon (matrices)", "ms": ms, "state_GiB": state_bytes(ref) / 2**30, "params": sum(p.numel() for p in flat),
+                 "baseline": "torch muon (matrices)"})
+    del ref, flat
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
@@ -132,10 +162,13 @@ def main() -> None:
         del opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    rows += extra_rows(params, device, bandwidth)
-    base = next(r["ms"] for r in rows if r["impl"] == ("torch fused" if device.type == "cuda" else "torch foreach"))
+    adamw_base = "torch fused" if device.type == "cuda" else "torch foreach"
     for row in rows:
-        row["ratio_vs_baseline"] = row["ms"] / base
+        row["baseline"] = adamw_base
+    rows += extra_rows(params, device, bandwidth)
+    ms = {row["impl"]: row["ms"] for row in rows}
+    for row in rows:  # each row against the baseline doing its work: AdamW's against torch's AdamW, Muon's against torch's Muon
+        row["ratio_vs_baseline"] = row["ms"] / ms[row["baseline"]] if row["baseline"] in ms else None
     finish(args, device, bandwidth, "bench_optim", [(rows, COLUMNS)])
 
 

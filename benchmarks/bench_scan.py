@@ -19,16 +19,19 @@ Implementations:
               and Jamba without the mamba_ssm package
 
 The loop takes seconds per call at these shapes (thousands of tokens, a few torch ops each):
-bench() times such a call once, after an untimed one.
+bench() times such a call 5 times (the median), after an untimed one and the host-timed estimate.
 
 Passes: fwd, and fwd+bwd (the gradients of u, dt, A, b and c for a fixed upstream gradient).
 Before timing, each case checks fused against eager (output and gradients).
 
 Table: median ms; on the fused rows the speedups over eager and the loop (where timed); on every row the fraction of the
-bytes floor (the scan's own inputs and outputs in float32 at the copy bandwidth measured in
-the same run: fwd reads u and dt and writes y, 12 T C bytes; fwd+bwd adds the backward's
-reads of u, dt and dy and writes of du and ddt, 32 T C bytes in all; b, c and A are small)
-and the peak memory the pass allocated (CUDA only). The CSV goes to OUT/bench_scan.csv.
+bytes floor (scan_bytes: the scan's own inputs and outputs, each read or written once, at the
+element sizes of the tensors the run uses, at the copy bandwidth measured in the same run: fwd
+reads u, dt, A, b, c and writes y; fwd+bwd adds the backward's reads of u, dt, A, b, c and dy
+and writes of du, ddt, dA, db, dc. On CUDA u, dt, b, c and their gradients are bf16, A, y and
+dy float32: 8 T C + small bytes fwd, 20 T C + small fwd+bwd; --smoke, all float32: 12 T C and
+32 T C + small) and the peak memory the pass allocated (CUDA only). The CSV goes to
+OUT/bench_scan.csv.
 """
 
 from dataclasses import dataclass
@@ -82,6 +85,15 @@ def scan_inputs(T: int, C: int, device, dtype) -> list[torch.Tensor]:
     return [u.to(dtype), dt.to(dtype), A, b.to(dtype), c.to(dtype)]
 
 
+def scan_bytes(inputs, y: torch.Tensor, grad_y: torch.Tensor, grads) -> tuple[int, int]:
+    """(fwd, fwd+bwd) bytes floor from the tensors a run uses (their element sizes): the forward
+    reads every input (u, dt, A, b, c) and writes y; the backward reads the inputs again and
+    dy, and writes every input's gradient."""
+    fwd = sum(t.nbytes for t in inputs) + y.nbytes
+    bwd = sum(t.nbytes for t in inputs) + grad_y.nbytes + sum(t.nbytes for t in grads)
+    return fwd, fwd + bwd
+
+
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: float, names: list[str]) -> list[dict]:
     T, C = case.T, case.C
     inputs = [t.requires_grad_() for t in scan_inputs(T, C, device, dtype)]
@@ -96,6 +108,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
         y = impls[name](*inputs)
         outs[name] = (y.detach(), *torch.autograd.grad(y, inputs, grad_y))
     check_agree(case.name, outs, ("fused", "eager"), dtype)
+    fwd_bytes, fwd_bwd_bytes = scan_bytes(inputs, outs["fused"][0], grad_y, outs["fused"][1:])
     del outs
     impls["loop"] = lambda *xs: selective_scan_loop(*xs, cu)
     impls = {name: impls[name] for name in names}
@@ -108,7 +121,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
         return torch.autograd.grad(impls[name](*inputs), inputs, grad_y)
 
     rows = []
-    for pass_name, step, nbytes in (("fwd", fwd, 12 * T * C), ("fwd+bwd", fwd_bwd, 32 * T * C)):
+    for pass_name, step, nbytes in (("fwd", fwd, fwd_bytes), ("fwd+bwd", fwd_bwd, fwd_bwd_bytes)):
         ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
         for name in impls:
             peak = cuda_peak_bytes(lambda name=name: step(name), device)

@@ -27,8 +27,11 @@ and their gradient: about 40 GiB). Table: median ms, the speedups over gather an
 dense, CUDA peak memory of the pass, and the floor fraction: the larger of two lower bounds
 on the time over the measured time. The bytes bound: each tensor read or written once (fwd:
 q, kv, index, o; fwd+bwd adds the backward's q, kv, index, do, dq and dkv; the slots' rows
-are gathered again per query, but from L2: kv is 4.5 MiB at v3.2-tp8); the FLOPs bound:
-2 T N J (D + Dv) for fwd, x 3.5 for fwd+bwd (no recomputation counted), at the bf16
+are gathered again per query, but from L2: kv is 4.5 MiB at v3.2-tp8); the FLOPs bound
+(attention_flops): 2 N (D + Dv) per real slot (index >= 0, counted from the index the run uses:
+the query at position p has min(J, p + 1) of them, the rest -1; at v3.2-tp8 1536.25 per query
+on average, not J = 2048) for fwd, x 3 for fwd+bwd (the backward's dV, dP, dQ, dK: twice the
+forward, no recomputation counted, as fmoe.train.metrics counts attention), at the bf16
 matmul rate measured in the same run.
 
 A second table times DSA's lightning indexer, fmoe.ops.indexer_scores: the scores [T, S] of
@@ -93,6 +96,14 @@ def inputs(case: Case, device, dtype):
     return q, kv, index
 
 
+def attention_flops(index: torch.Tensor, N: int, D: int, Dv: int) -> tuple[int, int]:
+    """(fwd, fwd+bwd) useful FLOPs of sparse attention over index [T, J] (-1: an empty slot):
+    per real slot and head 2 D (scores) + 2 Dv (weighted values); fwd+bwd 3x that (the
+    backward's four products, dV, dP, dQ, dK, twice the forward; no recomputation counted)."""
+    fwd = 2 * N * int((index >= 0).sum()) * (D + Dv)
+    return fwd, 3 * fwd
+
+
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, bandwidth: float) -> list[dict]:
     q, kv, index = inputs(case, device, dtype)
     q.requires_grad_(), kv.requires_grad_()
@@ -131,9 +142,9 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
     q_bytes, kv_bytes, o_bytes = case.T * case.N * D * elem, case.S * D * elem, case.T * case.N * case.Dv * elem
     fwd_bytes = q_bytes + kv_bytes + index.nbytes + o_bytes
     bwd_bytes = 2 * (q_bytes + kv_bytes) + index.nbytes + o_bytes  # q, kv, index, do read; dq, dkv written
-    fwd_flops = 2 * case.T * case.N * case.J * (D + case.Dv)
+    fwd_flops, fwd_bwd_flops = attention_flops(index, case.N, D, case.Dv)
     rows = []
-    for pass_name, step, nbytes, flops in (("fwd", fwd, fwd_bytes, fwd_flops), ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes, 3.5 * fwd_flops)):
+    for pass_name, step, nbytes, flops in (("fwd", fwd, fwd_bytes, fwd_flops), ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes, fwd_bwd_flops)):
         ms = {}
         floor_ms = {"bytes": nbytes / bandwidth * 1e3, "flops": flops / rate * 1e3}
         bound = max(floor_ms, key=floor_ms.get)
@@ -148,7 +159,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
             rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name],
                          "peak_GiB": None if peak is None else peak / 2**30,
                          "floor_fraction": None if ms[name] is None else floor_ms[bound] / ms[name], "bound": bound,
-                         "T": case.T, "S": case.S, "J": case.J, "N": case.N, "D": D, "Dv": case.Dv, "dtype": str(dtype).removeprefix("torch.")})
+                         "T": case.T, "S": case.S, "J": case.J, "N": case.N, "D": D, "Dv": case.Dv, "dtype": str(dtype).removeprefix("torch."),
+                         "flops": flops, "bytes": nbytes})
         fused_row = rows[-len(impls)]
         for base in ("gather", "dense"):
             fused_row[f"speedup_vs_{base}"] = ms[base] / ms["fused"] if ms[base] and ms["fused"] else None

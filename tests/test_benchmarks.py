@@ -39,6 +39,12 @@ def test_benchmark_smoke(script, tmp_path):
     assert len({r["impl"] for r in rows if r.get("impl")}) >= 3  # ours and two baselines
     if script in DEVICE_TIMED:  # the columns are there, empty on CPU
         assert all(r["device_ms"] == r["device_floor_fraction"] == "" for r in rows)
+    if script == "bench_optim.py":  # each ratio against the baseline doing the same work: Muon's against torch's Muon, not AdamW
+        ms = {r["impl"]: float(r["ms"]) for r in rows}
+        by = {r["impl"]: r for r in rows}
+        assert by["muon (matrices)"]["baseline"] == "torch muon (matrices)" and by["fmoe bf16"]["baseline"] == "torch foreach"
+        for r in rows:
+            assert float(r["ratio_vs_baseline"]) == pytest.approx(ms[r["impl"]] / ms[r["baseline"]]), r
     if script == "bench_hyper_connections.py":  # the bytes its docstring counts (float32): the one stream's backward moves none
         for r in rows:
             T, H, n = int(r["T"]), int(r["H"]), int(r["streams"])
@@ -118,8 +124,9 @@ def test_device_ms_times_the_device_alone():
 
 
 @pytest.mark.gpu
-def test_bench_times_a_slow_call_alone():
-    """A call of 2 SLOW_MS on the device is called twice (one untimed) and timed once, not do_bench's dozen."""
+def test_bench_times_a_slow_call_five_times():
+    """A call of 2 SLOW_MS on the device is called MIN_SAMPLES + 2 times (one untimed, one the
+    estimate) and its time is the median of MIN_SAMPLES = 5 timed calls, not one."""
     common, calls = _common(), []
     cycles = int(2 * common.SLOW_MS * common._sleep_cycles_per_ms())
 
@@ -128,7 +135,62 @@ def test_bench_times_a_slow_call_alone():
         torch.cuda._sleep(cycles)
 
     ms = common.bench(slow, torch.device("cuda"))
-    assert len(calls) == 2 and 1.8 * common.SLOW_MS < ms < 2.5 * common.SLOW_MS, (calls, ms)
+    assert common.MIN_SAMPLES == 5 and len(calls) == 7 and 1.8 * common.SLOW_MS < ms < 2.5 * common.SLOW_MS, (calls, ms)
+
+
+def test_bench_plans_at_least_five_timed_calls_of_any_length():
+    """cuda_plan: do_bench's counts (25 ms of warm-up, 100 ms timed) for short calls, never
+    fewer than 5 timed calls (do_bench timed one call of 50 ms or more), exactly 5 and no more
+    warm-up from SLOW_MS on: the cost stays bounded (about 100 ms, or 5 + 1 calls)."""
+    common = _common()
+    assert common.cuda_plan(1.0) == (25, 100) and common.cuda_plan(0.01) == (2500, 10000)
+    for ms in (21.0, 50.0, 100.0, 186.0, 249.0):  # do_bench: int(100 / ms) = 4 ... 0 -> 1 sample
+        assert common.cuda_plan(ms) == (1, 5), ms
+    for ms in (250.0, 474.0, 5000.0):
+        assert common.cuda_plan(ms) == (0, 5), ms
+    for ms in (1e-3, 0.3, 7.0, 19.9, 20.0, 60.0, 300.0, 1e5):
+        warmup, timed = common.cuda_plan(ms)
+        assert timed >= 5 and (warmup + timed) * ms <= common.WARMUP_MS + common.REP_MS + 6 * ms, (ms, warmup, timed)
+
+
+class _HostEvent:
+    """torch.cuda.Event on the host: record() reads perf_counter (the CUDA path of bench() on CPU)."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        import time
+
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("call_ms, calls_made", [(30.0, 7), (8.0, 13)])
+def test_bench_cuda_path_takes_the_median_of_five_timed_calls(monkeypatch, call_ms, calls_made):
+    """bench()'s CUDA path, run on the host with events that read perf_counter (SLOW_MS 20 ms,
+    do_bench's 25 / 100 ms scaled to 5 / 10 ms): a 30 ms call (slow) is called 1 + 1 + 5 times,
+    an 8 ms one 1 + 1 + 5 (estimate) + 1 (warm-up) + 5; both times are a median of 5 samples,
+    one of them made slow on purpose (a median, not the one sample do_bench took)."""
+    import time
+    from types import SimpleNamespace
+
+    common, calls = _common(), []
+    monkeypatch.setattr(common, "SLOW_MS", 20.0)
+    monkeypatch.setattr(common, "WARMUP_MS", 5.0)
+    monkeypatch.setattr(common, "REP_MS", 10.0)
+    monkeypatch.setattr(common.torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(common, "_l2_flush", lambda device: torch.zeros(4, dtype=torch.int32))
+
+    def fn():
+        calls.append(1)
+        time.sleep((call_ms * (4 if len(calls) == calls_made - 2 else 1)) / 1e3)  # one timed call 4x slower
+
+    ms = common.bench(fn, SimpleNamespace(type="cuda"))
+    assert len(calls) == calls_made and 0.9 * call_ms < ms < 2 * call_ms, (len(calls), ms)
 
 
 def _run_all(tmp_path, *flags):
@@ -315,3 +377,174 @@ def test_the_readme_lists_every_benchmark_and_what_the_lease_parts_run():
         in_a_b.update(re.findall(r"bench_\w+", body))
     said = re.search(r"gpu_lease\.sh b\s+# the core of it \((\d+) benchmarks", section)
     assert said and int(said.group(1)) == len(in_a_b) < len(scripts)
+
+
+def test_bench_scan_counts_the_bytes_of_the_tensors_it_runs():
+    """scan_bytes counts each tensor at its own element size: with bf16 u, dt, b, c (the GPU
+    run) y and dy float32, A float32 [C, N], T = 32, C = 8, N = 16: fwd u 2 + dt 2 + y 4 = 8 T C
+    plus A 4 C N and b, c 2 T N each; fwd+bwd adds the inputs again, dy 4 T C and the gradients
+    (u, dt, b, c bf16, A float32): 20 T C + small, not 12 and 32 T C (all float32)."""
+    _common()
+    import bench_scan
+
+    T, C, N = 32, 8, bench_scan.N
+    inputs = bench_scan.scan_inputs(T, C, torch.device("cpu"), torch.bfloat16)
+    y, grad_y = torch.zeros(1, T, C), torch.zeros(1, T, C)
+    grads = [torch.zeros_like(t) for t in inputs]
+    small = 4 * C * N + 2 * 2 * T * N  # A, b, c
+    fwd, fwd_bwd = bench_scan.scan_bytes(inputs, y, grad_y, grads)
+    assert fwd == 8 * T * C + small and fwd_bwd == fwd + (2 + 2 + 4 + 2 + 2) * T * C + 2 * small
+    assert fwd_bwd == 20 * T * C + 3 * small
+    inputs32 = bench_scan.scan_inputs(T, C, torch.device("cpu"), torch.float32)
+    small32 = 4 * C * N + 2 * 4 * T * N
+    assert bench_scan.scan_bytes(inputs32, y, grad_y, [torch.zeros_like(t) for t in inputs32]) == (12 * T * C + small32, 32 * T * C + 3 * small32)
+
+
+def test_bench_sparse_attention_counts_the_real_slots_and_3x_for_fwd_bwd():
+    """attention_flops counts 2 N (D + Dv) per slot the index fills (the query at position p
+    has min(J, p + 1); -1 slots are no work), and fwd+bwd = 3 x fwd (no recomputation). The
+    smoke v3.2-tp8 case (T = S = 48, J = 8, N = 3, D = 32, Dv = 24): 1 + ... + 8 + 40 x 8 = 356
+    slots, not 48 x 8 = 384; long-ctx (16 queries at the end of 96 keys): every slot, 128."""
+    _common()
+    import bench_sparse_attention as bsa
+
+    v32, long_ctx = bsa.make_cases(True)
+    for case, slots in ((v32, 36 + 40 * 8), (long_ctx, 16 * 8)):
+        _, _, index = bsa.inputs(case, torch.device("cpu"), torch.float32)
+        D = case.Dv + case.Dr
+        assert int((index >= 0).sum()) == slots
+        assert bsa.attention_flops(index, case.N, D, case.Dv) == (2 * 3 * slots * 56, 3 * 2 * 3 * slots * 56)
+    index = torch.tensor([[0, -1, -1], [1, 0, -1], [2, 1, 0], [3, 2, 1]])  # J = 3, positions 0..3
+    assert bsa.attention_flops(index, 1, 4, 2) == (2 * 9 * 6, 3 * 2 * 9 * 6)
+
+
+def test_bench_block_sparse_counts_the_own_blocks_causal_keys_and_3x():
+    """block_keys_per_query: query t sees t % block + 1 keys of its own block and min(topk - 1,
+    t // block) earlier blocks whole. Smoke (T = 48, blocks of 4, 3 kept): the first 12 queries
+    1 ... 12 keys (78), the other 36 2 x 4 + 2.5 on average (378): 456 / 48 = 9.5, not the
+    min(12, t + 1) count's 10.375. layer_flops: projections 2 T H (2 N D + 2 G D) plus the
+    attention's 2 T N keys 2 D, fwd+bwd exactly 3x fwd."""
+    _common()
+    import bench_block_sparse as bbs
+
+    assert bbs.block_keys_per_query(48, 4, 3) == 9.5
+    assert bbs.block_keys_per_query(8, 4, 3) == 4.5  # t < K: t + 1
+    T, H, N, G, D, keys = 48, 32, 2, 1, 16, 9.5
+    fwd = 2 * T * H * (2 * N * D + 2 * G * D) + 2 * T * N * keys * 2 * D
+    assert bbs.layer_flops(T, H, N, G, D, keys, False) == fwd == 294912 + 58368
+    assert bbs.layer_flops(T, H, N, G, D, keys, True) == 3 * fwd
+
+
+def test_bench_moa_counts_3x_for_fwd_bwd_and_smoke_runs_the_triton_kernels(tmp_path):
+    """layer_flops: the projections' 2 T H (2 N D + 2 G D) plus the attention's 2 T N keys 2 D,
+    fwd+bwd 3x for both (it was 3.5x for the attention). Smoke shape (T = 48, H = 32, N = 4,
+    G = 2, D = 16, documents of 16: 8.5 keys): 589824 + 104448. The smoke run's moa row runs
+    impl "triton" (the kernels through the interpreter), not "auto" (torch on CPU)."""
+    _common()
+    import bench_moa
+
+    assert bench_moa.layer_flops(48, 32, 4, 2, 16, 8.5, False) == 589824 + 104448
+    assert bench_moa.layer_flops(48, 32, 4, 2, 16, 8.5, True) == 3 * (589824 + 104448)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moa.py"), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                         text=True, env=_script_env(), timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {(r["pass"], r["impl"]): r for r in csv.DictReader(open(tmp_path / "bench_moa.csv"))}
+    assert rows[("fwd", "moa")]["layer_impl"] == "triton" and rows[("fwd", "loop")]["layer_impl"] == "torch"
+    assert float(rows[("fwd", "moa")]["flops"]) == 589824 + 104448 and float(rows[("fwd+bwd", "moa")]["flops"]) == 3 * (589824 + 104448)
+
+
+def test_bench_moe_layer_runs_fmoe_gathers_backward_by_gather_too(monkeypatch):
+    """The "fmoe gather" row's fwd+bwd call is wrapped whole (bench_moe_layer.within): permute's
+    forward and unpermute's backward (the weighted row kernel) both launch under "gather"; the
+    backward ran under "scatter" when only the forward was wrapped."""
+    _common()
+    import bench_moe_layer as bml
+    from fmoe.layers import MoEConfig, moe
+    from fmoe.ops import dispatch
+
+    log, launch = [], dispatch._launch_permute_rows
+
+    def spy(src, slot_of_row, K, weights=None, *args, **kwargs):
+        log.append(("unpermute bwd" if weights is not None else "permute fwd", dispatch.PERMUTE_BY))
+        return launch(src, slot_of_row, K, weights, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_launch_permute_rows", spy)
+    shape = bml.Shape("A (smoke)", 32, 32, 8, 2, 16)
+    torch.manual_seed(0)
+    p = bml.make_params(shape, torch.float32, torch.device("cpu"))
+    x = torch.randn(32, 32, requires_grad=True)
+    cfg = MoEConfig(n_experts=8, k=2, aux_scores=False, impl="triton")
+    bml.within("fmoe gather", lambda: torch.autograd.grad(moe(x, p, cfg)[0], [x, *p.values()], torch.randn(32, 32)))()
+    assert log == [("permute fwd", "gather"), ("unpermute bwd", "gather")] and dispatch.PERMUTE_BY == "scatter", log
+
+
+def test_bench_moe_layer_strong_baseline_is_sync_free_and_combines_in_the_activations_dtype(monkeypatch):
+    """strong_moe counts tokens per expert without torch.bincount (a host sync on CUDA) and
+    never makes a float32 tensor of T k H (the weighted rows) from bf16 activations; its
+    output and gradients match the per-expert loop's (float32)."""
+    _common()
+    import bench_moe_layer as bml
+
+    def no_bincount(*args, **kwargs):
+        raise AssertionError("torch.bincount: reads the max to the host on CUDA")
+
+    monkeypatch.setattr(torch, "bincount", no_bincount)
+    shape = bml.Shape("A (smoke)", 32, 32, 8, 2, 16)
+    torch.manual_seed(0)
+    p = bml.make_params(shape, torch.float32, torch.device("cpu"))
+    x = torch.randn(32, 32, requires_grad=True)
+    leaves, dy = [x, *p.values()], torch.randn(32, 32)
+    strong, loop = bml.strong_moe(x, p, 2), bml.loop_moe(x, p, 2)
+    for a, b in zip((strong, *torch.autograd.grad(strong, leaves, dy)), (loop, *torch.autograd.grad(loop, leaves, dy))):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    big = []
+    pb = {n: (t.detach().to(torch.bfloat16) if n != "router" else t.detach()) for n, t in p.items()}
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() >= 32 * 2 * 32:
+                big.append((getattr(func, "__name__", str(func)), tuple(out.shape)))
+            return out
+
+    xb = x.detach().to(torch.bfloat16)
+    with Watch():
+        y = bml.strong_moe(xb, pb, 2)
+    assert y.dtype == torch.bfloat16 and big == [], big
+
+
+def test_bench_decode_counts_the_routed_experts_and_the_rows_a_position_sees():
+    """floor_bytes counts the experts the step routed to (routed_experts: each block's distinct
+    experts, at most min(E, B k)) and the rows the decoded position sees, itself included:
+    P + 1 full, min(P + 1, window) in a sliding window, P % chunk + 1 in a chunk (smoke: P = 8,
+    chunks of 4: just itself)."""
+    _common()
+    import bench_decode as bd
+
+    cfgs = bd.configs(True)
+    chunked, window = cfgs["gqa-chunked"], cfgs["gqa-window"]
+    assert [bd.visible_rows(chunked, i, 8) for i in range(4)] == [1, 1, 1, 9]  # blocks 0-2 chunked, 3 NoPE (full)
+    assert [bd.visible_rows(window, i, 8) for i in range(4)] == [4, 9, 4, 9]
+    assert bd.visible_rows(chunked, 0, 6) == 3 and bd.visible_rows(window, 0, 2) == 3
+    torch.manual_seed(0)
+    model = bd.Transformer(chunked).eval()
+    B, P = 2, 8
+    ids = torch.randint(0, chunked.vocab_size, (B, P + 1))
+    cache = model.kv_cache(P + 1, batch=B)
+    with torch.no_grad():
+        for b in range(B):
+            model.decode(ids[b, :P], cache, seqs=b)
+
+    def step():
+        cache.lengths = [P] * B
+        return model.decode(ids[:, P:], cache)
+
+    used = bd.routed_experts(model, step)
+    assert len(used) == 4 and all(chunked.k <= u <= min(chunked.n_experts, B * chunked.k) for u in used), used
+    cache.lengths = [P] * B
+    size, per_expert = 4, 3 * chunked.hidden * chunked.ffn_expert
+    row = 2 * chunked.n_kv_heads * chunked.head_dim  # keys and values of one token
+    none = bd.floor_bytes(model, cache, B, [0, 0, 0, 0])
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - model.embed.numel() + B * chunked.hidden
+    assert none == size * (dense + B * (1 + 1 + 1 + 9) * row)
+    assert bd.floor_bytes(model, cache, B, used) - none == size * sum(used) * per_expert
