@@ -455,9 +455,10 @@ def main(argv: list[str]) -> None:
                                whole_documents=cfg.whole_documents)
     except (OSError, ValueError) as err:
         message = str(err) if str(err).startswith("data:") else f"data: {err}"
-        # the loader's arguments, as this command line spells them
+        # the loader's arguments, as this command line spells them, where the message names them as such ("separator,
+        # vocab_size: required"), not where it speaks of a vocabulary ("byte tokens (vocab_size 258)", which no knob mends)
         flags = [flag for word, flag in (("separator", "--separator=ID"), ("vocab_size", "--model.vocab_size=V"),
-                                         ("dtype", "--data_dtype=uint16|uint32")) if re.search(rf"\b{word}\b", message)]
+                                         ("dtype", "--data_dtype=uint16|uint32")) if re.search(rf"\b{word}[,:]", message)]
         sys.exit(message + (f" (on this command line: {', '.join(flags)})" if flags else ""))
     val_batches, val_sources = [], []
     try:
@@ -665,7 +666,10 @@ def main(argv: list[str]) -> None:
         if pipe is not None:
             mesh += (f"; pipeline {cfg.pp_schedule}, {pipe.n_stages} stages of layers "
                      + " ".join(f"{r.start}-{r.stop - 1}" for r in pipe.layers) + " (embedding on the first, head and MTP on the last)")
-        print(f"model: {n_params / 1e6:.2f}M parameters, {'at most ' if model_cfg.zero_experts else ''}{n_active / 1e6:.2f}M active per token ({len(moe_names)} MoE layers of "
+        n_mtp_moe = sum(name.startswith("mtp") for name in moe_names)  # the MTP modules' MoE layers, said apart from the trunk's
+        layers = f"{len(moe_names) - n_mtp_moe} MoE layer{'s' if len(moe_names) - n_mtp_moe != 1 else ''}" + (
+            f" and {n_mtp_moe} in the MTP module{'s' if n_mtp_moe > 1 else ''}" if n_mtp_moe else "")
+        print(f"model: {n_params / 1e6:.2f}M parameters, {'at most ' if model_cfg.zero_experts else ''}{n_active / 1e6:.2f}M active per token ({layers}, each of "
               f"{model_cfg.n_experts} experts{f' and {model_cfg.zero_experts} zero experts' if model_cfg.zero_experts else ''}, "
               f"top-{model_cfg.k})\n"
               f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens:,} tokens "

@@ -62,6 +62,7 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     # the start: one summary before the step lines; every step line shows the load and an ETA
     lines = run.stdout.splitlines()
     assert lines[0].startswith("model: ") and "active per token" in lines[0]
+    assert "(1 MoE layer and 1 in the MTP module, each of 4 experts, top-2)" in lines[0], lines[0]  # the MTP block's was counted as the trunk's
     assert lines[1].startswith("data: the stdlib corpus") and "256 tokens per step" in lines[1]
     assert re.search(r"tokens \(\+ \d+ documents, [\d,]+ tokens for validation\)", lines[1]), lines[1]  # documents were called tokens
     assert lines[2].startswith("run: 30 steps on cpu x 1 (one process)") and f"out_dir {tmp_path}" in lines[2]
@@ -654,3 +655,19 @@ def test_a_corpus_of_one_file_trains_without_validation(tmp_path):
     assert re.search(r"^done: step 2, loss \d+\.\d{4} \(no validation: --eval_batches=0\)$", run.stdout, flags=re.M), run.stdout
     records = _records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2] and not any("val_loss" in r for r in records)
+
+
+def test_a_blend_of_bytes_and_token_ids_suggests_no_knob(tmp_path):
+    """The refusal of a byte source blended with a token source ended "(on this command line:
+    --model.vocab_size=V)", which no vocab_size mends: the knob is named only where the
+    loader's message names its argument."""
+    import numpy as np
+
+    tokens = tmp_path / "t.u16"
+    np.array([5, 1, 3, 1], dtype=np.uint16).tofile(tokens)
+    (tmp_path / "t.u16.index.json").write_text(json.dumps(dict(documents=2, tokens=4, dtype="uint16", separator=1, vocab_size=10)))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some text")
+    got = exits(ROOT / "examples" / "train_moe.py", [[f"--out_dir={tmp_path / 'out'}", *TINY, f"--data=0.5:{tokens},0.5:{tmp_path / 'text'}"]])[0]
+    assert got["status"] != 0 and "holds byte tokens (vocab_size 258)" in got["text"], got["text"]
+    assert "on this command line" not in got["text"], got["text"]
