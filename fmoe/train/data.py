@@ -364,11 +364,13 @@ def load_text_dir(path: Union[str, os.PathLike]) -> TokenDataset:
     return _byte_dataset(root, list_text_files(root))
 
 
-def _split_documents(data: np.ndarray, *, separator: int, vocab_size: int, where: str) -> TokenDataset:
+def _split_documents(data: np.ndarray, *, separator: int, vocab_size: int, where: str,
+                     vocab_from: Optional[str] = None) -> TokenDataset:
     """Documents of the 1-D integer array data [N], each ending at (and including) a
     `separator` token; tokens after the last separator form a final document. One chunked
     pass both finds the separators and checks every id is in 0..vocab_size-1 (`where`
-    names the array in errors)."""
+    names the array in errors; vocab_from, the index file vocab_size came from, if not the
+    caller's argument)."""
     check_positive_int("vocab_size", vocab_size)
     check_positive_int("separator", separator, 0, vocab_size - 1)
     ends = []
@@ -379,7 +381,8 @@ def _split_documents(data: np.ndarray, *, separator: int, vocab_size: int, where
             raise ValueError(f"path: token {int(chunk[bad])} at index {lo + bad} of {where} is negative")
         if int(chunk.max()) >= vocab_size:
             bad = int(np.argmax(chunk >= vocab_size))
-            raise ValueError(f"vocab_size: token {int(chunk[bad])} at index {lo + bad} of {where} is not below vocab_size {vocab_size}")
+            named = "vocab_size" if vocab_from is None else f"path: the index {vocab_from!r} says vocab_size {vocab_size}"
+            raise ValueError(f"{named}: token {int(chunk[bad])} at index {lo + bad} of {where} is not below vocab_size {vocab_size}")
         ends.append(lo + np.flatnonzero(chunk == separator) + 1)
     ends = np.concatenate(ends).astype(np.int64)
     if not len(ends) or ends[-1] != len(data):
@@ -469,7 +472,9 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
     if not path.is_file():
         raise ValueError(f"path: {str(path)!r} is not a regular file")
     index = read_index(path)
-    given_dtype, given_vocab_size = dtype, vocab_size
+    given_dtype, vocab_from = dtype, None
+    if index is not None and vocab_size is None:  # the index's, named as such in errors
+        vocab_from = str(index_path(path))
     if index is not None:
         separator, vocab_size, dtype = (_from_index(field, given, index, path) for field, given in
                                         (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype)))
@@ -502,13 +507,7 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
         raise ValueError(f"path: {str(path)!r} holds {size // np_dtype.itemsize} tokens, its index says {index['tokens']} "
                          "(a stale index: prepare the file again)")
     data = np.memmap(path, dtype=np_dtype, mode="r")
-    try:
-        dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)))
-    except ValueError as err:
-        if index is None or given_vocab_size is not None or not str(err).startswith("vocab_size: "):
-            raise
-        raise ValueError(f"path: the index {str(index_path(path))!r} says vocab_size {vocab_size}: "
-                         f"{str(err).removeprefix('vocab_size: ')}") from None  # not the caller's vocab_size
+    dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)), vocab_from=vocab_from)
     if index is not None and index.get("loss_mask") is not None:
         dataset.label_mask = _read_label_mask(path.parent / index["loss_mask"], len(data), repr(str(index_path(path))))
     if index is not None and index["documents"] != len(dataset):

@@ -62,10 +62,11 @@ import math
 import os
 import sys
 import warnings
-from numbers import Integral, Real
+from numbers import Real
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from fmoe.ops import load_stats
@@ -585,6 +586,8 @@ def _plain(value):
     integers, bools bools), non-finite floats to None."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().tolist()
+    elif isinstance(value, (np.ndarray, np.generic)):  # numpy's arrays and scalars as Python's (an int64 was written 1000.0)
+        value = value.tolist()
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -593,14 +596,8 @@ def _plain(value):
         return value if math.isfinite(value) else None
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, Integral):  # numpy's integers stay integers (a count written as 1000.0 before)
-        return int(value)
-    if isinstance(value, Real):  # numpy's floats and the like
+    if isinstance(value, Real):  # other real numbers
         return _plain(float(value))
-    if type(value).__name__ in ("bool", "bool_") and type(value).__module__ == "numpy":  # numpy.bool: not a numbers.Number
-        return bool(value)
-    if hasattr(value, "tolist") and type(value).__module__ == "numpy":  # an ndarray, as a tensor
-        return _plain(value.tolist())
     raise ValueError(f"record: cannot write a {type(value).__name__} as JSON")
 
 
