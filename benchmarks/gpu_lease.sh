@@ -23,6 +23,8 @@
 #     bash benchmarks/gpu_lease.sh p    # JetMoE's mixture of attention heads and grouped_matmul: their gpu tests, bench_moa (not yet run)
 #     bash benchmarks/gpu_lease.sh q    # DeepSeek-V4's routing: the sqrt(softplus) kernels' tests on CUDA, bench_routing's dsv4 cases (not yet run)
 #     bash benchmarks/gpu_lease.sh r    # DeepSeek-V4's attention on the sparse kernel: its gpu tests, bench_dsv4_attention (not yet run)
+#     bash benchmarks/gpu_lease.sh s    # every gpu test, the goals' benchmarks again after the floors' fixes, bench_moa, bench_block_sparse (560 s at most)
+#     bash benchmarks/gpu_lease.sh t    # at once after s: bench_dsv4_attention, bench_routing's dsv4 cases (200 s at most)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -215,8 +217,42 @@ r)
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_dsv4_attention --timeout 300
     ;;
+s)
+    # the seventh run, after the benchmarks' floors and timing were corrected (67b966b) and
+    # parts o..r's features were added: every gpu test (72), then the goals' benchmarks again
+    # and the two never run, each limited to what is left of $S_BUDGET seconds (default 560)
+    budget=${S_BUDGET:-560}
+    start=$SECONDS
+    left() { local l=$((budget - (SECONDS - start))); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
+    nvidia-smi -L
+    timeout -k 5 "$(left 240)" python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $? at $((SECONDS - start)) s"
+    pkill -9 -f "pytest" 2>/dev/null
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+    for b in bench_moe_layer:60 bench_loss:50 bench_rope:50 bench_optim:40 bench_moa:100 bench_block_sparse:100; do
+        t=$(left "${b#*:}")
+        [ "$t" -lt 20 ] && { echo "${b%%:*}: not run, $t s left"; continue; }
+        bench --only "${b%%:*}" --timeout "$t"
+        echo "${b%%:*}: done at $((SECONDS - start)) s"
+    done
+    ;;
+t)
+    # sent at once after part s, while the machine is warm: DeepSeek-V4's attention and routing
+    # (never run on a GPU), each limited to what is left of $T_BUDGET seconds (default 200)
+    budget=${T_BUDGET:-200}
+    start=$SECONDS
+    left() { local l=$((budget - (SECONDS - start))); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
+    for b in bench_dsv4_attention:120 bench_routing:150; do
+        t=$(left "${b#*:}")
+        [ "$t" -lt 20 ] && { echo "${b%%:*}: not run, $t s left"; continue; }
+        if [ "${b%%:*}" = bench_routing ]; then bench --only bench_routing --timeout "$t" --extra="--cases dsv4"
+        else bench --only "${b%%:*}" --timeout "$t"; fi
+        echo "${b%%:*}: done at $((SECONDS - start)) s"
+    done
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q|r" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t" >&2
     exit 2
     ;;
 esac
