@@ -235,10 +235,14 @@ def test_host_reads_counts_each_blocking_copy_to_the_host_cuda_reports():
     copy and a copy between devices count none."""
     from fmoe.train.metrics import HostReads
 
+    # y: another tensor of x's values. torch.equal(x, x) answers without reading the device
+    # (CUDA's equal returns at once for the same storage, offset and strides: seen on an H200,
+    # torch 2.11, where it made no sync), so the comparisons take two tensors
     x, host = torch.arange(4.0, device="cuda"), torch.zeros(4)
+    y = x.clone()
     cases = {"to('cpu')": lambda: x.to("cpu"), "to(torch.device('cpu'))": lambda: x.to(torch.device("cpu")),
-             "to(host tensor)": lambda: x.to(host), "to(host.device)": lambda: x.to(host.device), "equal": lambda: torch.equal(x, x),
-             "allclose": lambda: x.allclose(x), "is_nonzero": lambda: x[1].is_nonzero(), "complex": lambda: complex(x[1])}
+             "to(host tensor)": lambda: x.to(host), "to(host.device)": lambda: x.to(host.device), "equal": lambda: torch.equal(x, y),
+             "allclose": lambda: x.allclose(y), "is_nonzero": lambda: x[1].is_nonzero(), "complex": lambda: complex(x[1])}
     for name, read in cases.items():
         with HostReads(cuda=True) as reads:
             read()
