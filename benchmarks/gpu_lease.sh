@@ -257,6 +257,73 @@ u)
     # the seventh run's misses, profiled: DeepSeek-V4's CSA layer took 413 ms fwd+bwd on the kernel (18.5 ms fwd),
     # JetMoE's mixture of heads as long at T = 8192 as at 16384, MiniMax-M3's sparse kernel 2-5x slower than full
     # attention; then the HostReads test fixed after that run. The ops tables come back as <benchmark>.txt
+    # first a probe of one suspect, the CSA indexer loss's gathered keys, whose backward sums ~T J / S = 2048 rows into
+    # each key by a sorted index_put (torch's duplicate-heavy path): three backward forms, alone and in the scores chain
+    timeout 90 python3 - > "$OUT/probe_gather.txt" 2>&1 <<'PROBE'
+"""One-off probe (gpu_lease.sh part u): the CSA indexer loss's gathered keys, keys[slots], and
+their backward, which sums ~T J / S rows into each key (index_put with accumulate). Three
+backward forms of the same gather, timed alone and inside the loss's scores chain."""
+import sys, torch
+from triton.testing import do_bench
+
+class ByIndexAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, keys, slots):
+        ctx.save_for_backward(slots); ctx.S = keys.shape[0]
+        return keys[slots]
+    @staticmethod
+    def backward(ctx, g):
+        slots, = ctx.saved_tensors
+        return g.new_zeros(ctx.S, g.shape[-1]).index_add_(0, slots.reshape(-1), g.reshape(-1, g.shape[-1])), None
+
+class BySegments(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, keys, slots):
+        ctx.save_for_backward(slots); ctx.S = keys.shape[0]
+        return keys[slots]
+    @staticmethod
+    def backward(ctx, g):
+        slots, = ctx.saved_tensors
+        flat = slots.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        lengths = torch.bincount(flat, minlength=ctx.S)
+        return torch.segment_reduce(g.reshape(-1, g.shape[-1])[order], "sum", lengths=lengths, axis=0), None
+
+forms = {"index": lambda k, s: k[s], "index_add": ByIndexAdd.apply, "segments": BySegments.apply}
+
+def chain(q, w, keys, slots, gather):
+    k = gather(keys, slots.clamp(min=0))
+    r = torch.relu(torch.einsum("tnd,tjd->tnj", q, k) * q.shape[-1] ** -0.5)
+    return torch.einsum("tn,tnj->tj", w, r) * (slots >= 0)
+
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+cases = [("csa", 4096, 1024, 512), ("dsa", 4096, 4096, 2048)] if dev == "cuda" else [("tiny", 16, 8, 4)]
+N, D = (64, 128) if dev == "cuda" else (4, 8)
+for name, T, S, J in cases:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(T, N, D, device=dev, generator=g, requires_grad=True)
+    w = torch.randn(T, N, device=dev, generator=g, requires_grad=True)
+    keys = torch.randn(S, D, device=dev, generator=g, requires_grad=True)
+    slots = torch.stack([torch.randperm(S, device=dev, generator=g)[:J] for _ in range(T)])
+    up = torch.randn(T, J, device=dev, generator=g)
+    grads = {}
+    for form, gather in forms.items():
+        def alone():
+            k = gather(keys, slots); return torch.autograd.grad((k * 1.0).sum(), keys)
+        def full():
+            return torch.autograd.grad((chain(q, w, keys, slots, gather) * up).sum(), [q, w, keys])
+        grads[form] = full()
+        if dev == "cuda":
+            print(f"{name} {form:10s} gather fwd+bwd {do_bench(alone, return_mode='median'):8.3f} ms   scores chain fwd+bwd {do_bench(full, return_mode='median'):8.3f} ms", flush=True)
+    for form in ("index_add", "segments"):
+        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads[form], grads["index"]))
+        print(f"{name} {form} vs index: gradients within {err:.1e} (relative norm)")
+    with torch.no_grad():
+        fwd = lambda: chain(q, w, keys, slots, forms["index"])
+        if dev == "cuda":
+            print(f"{name} scores chain fwd alone {do_bench(fwd, return_mode='median'):8.3f} ms")
+PROBE
+    echo "probe (gathered keys): exit $?"; cat "$OUT/probe_gather.txt"
     bench --only bench_dsv4_attention --timeout 150 --profile
     bench --only bench_moa --timeout 150 --profile
     bench --only bench_block_sparse --timeout 150 --profile
