@@ -20,6 +20,7 @@ The profiled steps run slower than the others (the profiler records every op).""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -58,14 +59,18 @@ def ops_table(prof: torch.profiler.profile, device_type: str, *, row_limit: int 
 def phase(name: str):
     """A named range of the loop (fmoe.<name>) in a profiler trace; costs next to nothing
     when no profiler records."""
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected the phase's name (a str), got {type(name).__name__}")
     return torch.profiler.record_function(PHASE_PREFIX + name)
 
 
 class StepProfiler:
     """Records steps steps[0]..steps[1] (see the module docstring; steps=None: none), a pair of
     1-based steps as parse_steps returns (ValueError otherwise); start_step / end_step around
-    every step, profiled or not. memory: also the CUDA allocator's history (ValueError on
-    another device)."""
+    every step, profiled or not (a step started past END while recording ends the recording
+    first, as a missed end_step would have). rank: the file names' rank, an int >= 0.
+    device_type: torch.device's type ("cuda": the kernels too). memory: also the CUDA
+    allocator's history (ValueError on another device)."""
 
     def __init__(self, out_dir, steps: Optional[tuple[int, int]], *, rank: int = 0, device_type: str = "cpu", memory: bool = False):
         if steps is not None:
@@ -73,6 +78,14 @@ class StepProfiler:
             if not pair or not 1 <= steps[0] <= steps[1]:
                 raise ValueError(f"steps: expected None or (START, END), ints with 1 <= START <= END as parse_steps returns, got {steps!r}")
             steps = tuple(steps)
+        if not isinstance(out_dir, (str, os.PathLike)):
+            raise ValueError(f"out_dir: expected the run's directory (str or os.PathLike), got {type(out_dir).__name__}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+        if not isinstance(device_type, str) or not device_type:
+            raise ValueError(f"device_type: expected a device type such as 'cuda' or 'cpu', got {device_type!r}")
+        if not isinstance(memory, bool):
+            raise ValueError(f"memory: expected a bool, got {memory!r}")
         if memory and device_type != "cuda":
             raise ValueError(f"--memory_snapshot: records the CUDA allocator; this run is on {device_type}")
         self.dir, self.steps, self.rank, self.device_type, self.memory = Path(out_dir) / "profile", steps, rank, device_type, memory
@@ -81,7 +94,12 @@ class StepProfiler:
     def start_step(self, step: int) -> None:
         """Call before step `step` (1-based) runs: the first profiled one starts the recording,
         the next ones each open their own range."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step: expected the step about to run (an int >= 1), got {step!r}")
+        if self.prof is not None and step > self.steps[1]:  # end_step(END) was missed: write what was recorded
+            self.close()
         if self.prof is not None:
+            self.prof.step_num = step - 1  # step() counts on from here: the range is named after `step`, whatever came before
             self.prof.step()  # closes the last step's "ProfilerStep#N" range, opens this one's
             return
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:

@@ -105,7 +105,7 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     every knob, e.g. dataclasses.asdict of the loop's Config). Returns the path."""
     if not isinstance(config, dict):
         raise ValueError(f"config: expected a dict of knobs, got {type(config).__name__}")
-    out_dir = Path(out_dir)
+    out_dir = Path(_check_path("out_dir", out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
     path.write_text(json.dumps({"config": config, **extra, "run": run_info()}, indent=2, default=str) + "\n")
@@ -121,8 +121,17 @@ def run_path(run: dict, path) -> Path:
     >>> str(run_path({"run": {"cwd": "/data/runs"}}, "hf/qwen3")), str(run_path({}, "hf/qwen3"))
     ('/data/runs/hf/qwen3', 'hf/qwen3')
     """
-    cwd = run.get("run", {}).get("cwd") if isinstance(run, dict) else None
-    return Path(cwd, path) if cwd else Path(path)
+    _check_path("path", path)
+    record = run.get("run") if isinstance(run, dict) else None
+    cwd = record.get("cwd") if isinstance(record, dict) else None
+    return Path(cwd, path) if isinstance(cwd, str) and cwd else Path(path)
+
+
+def _check_path(name: str, path):
+    """path (a str or os.PathLike), or a ValueError naming the argument."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{name}: expected a path (str or os.PathLike), got {type(path).__name__}")
+    return path
 
 
 # a process cannot catch these: no handler can note them
@@ -152,17 +161,21 @@ class StopRequests:
     """
 
     def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), minutes: float = 0.0, *, start: Optional[float] = None):
-        if isinstance(signals, str) or not all(isinstance(name, str) for name in signals):
+        if not isinstance(signals, (list, tuple)) or not all(isinstance(name, str) for name in signals):
             raise ValueError(f"signals: expected a sequence of signal names like ('SIGTERM', 'SIGUSR1'), got {signals!r}")
         self._signals = list(dict.fromkeys(_signal(name) for name in signals))
-        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not math.isfinite(minutes) or minutes < 0:
+        if not _finite(minutes) or minutes < 0:
             raise ValueError(f"minutes: expected a time limit in minutes >= 0 (0: none), got {minutes!r}")
         self.minutes = float(minutes)
-        self.start = time.monotonic() if start is None else start
+        if start is not None and not _finite(start):
+            raise ValueError(f"start: expected time.monotonic() at the start (a finite number) or None, got {start!r}")
+        self.start = time.monotonic() if start is None else float(start)
         self.signal: Optional[str] = None  # the first signal received
         self._previous: dict = {}
 
     def __enter__(self) -> "StopRequests":
+        if self._previous:  # entered twice: the inner exit would put back the outer's handler as "previous", and the outer none
+            raise ValueError("StopRequests: already entered; it is not reentrant (leave it first, or make another)")
         try:
             for sig in self._signals:
                 self._previous[sig] = signal.signal(sig, self._note)
@@ -248,7 +261,7 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
     """
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
         raise ValueError(f"wait: expected seconds >= 0, got {wait!r}")
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = (_environ_int(name, default) for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")))
     try:
         main(argv)
     except SystemExit as stop:
@@ -274,10 +287,36 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
         raise SystemExit(1) from None
 
 
+def _finite(x) -> bool:
+    """x is a finite int or float (not a bool); False for an int too large for a float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _environ_int(name: str, default: str) -> int:
+    """The environment variable `name` (launchers set RANK, WORLD_SIZE) as an int, or a
+    ValueError naming it."""
+    value = os.environ.get(name, default)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an int in the environment (as torchrun sets it), got {value!r}") from None
+
+
 def nearest(name: str, names: Sequence[str], n: int = 3) -> list[str]:
     """Up to n of `names` that a mistyped `name` may have meant: those it begins (in their
     order), then the closest by difflib's ratio (>= 0.6). E.g. "stepz" in ("seed", "steps")
     -> ["steps"]; "ffn" in ("hidden", "ffn_dense", "ffn_expert") -> ["ffn_dense", "ffn_expert"]."""
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected a str, got {type(name).__name__}")
+    if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(other, str) for other in names):
+        raise ValueError(f"names: expected a sequence of str, got {names!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected a positive int, got {n!r}")
     begun = [other for other in names if name and other.startswith(name)]
     return list(dict.fromkeys(begun + difflib.get_close_matches(name, names, n=n, cutoff=0.6)))[:n]
 

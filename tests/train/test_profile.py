@@ -103,3 +103,40 @@ def test_a_memory_snapshot_on_cuda(tmp_path):
     snapshot = pickle.loads(files[2].read_bytes())
     assert snapshot["device_traces"] and any(e["action"] == "alloc" for e in snapshot["device_traces"][0])
     assert "Self CUDA" in files[1].read_text()
+
+
+def test_a_missed_end_step_does_not_record_past_end_and_steps_are_named_by_their_number(tmp_path):
+    """start_step alone over steps 1..5 with steps (2, 3) recorded steps 2, 3, 4 and 5 (nothing
+    stopped at END); a step started twice was named by the profiler's own count (#1, #2, #3
+    for two steps)."""
+    profiler = StepProfiler(tmp_path, (2, 3))
+    x = torch.randn(8, 8)
+    for step in range(1, 6):
+        profiler.start_step(step)  # end_step never called
+        x @ x
+    files = [tmp_path / "profile" / "trace_rank0.json", tmp_path / "profile" / "ops_rank0.txt"]
+    assert all(f.is_file() for f in files) and profiler.close() == []  # written when step 4 started
+    assert sorted(e["name"] for e in _trace(files[0]) if e["name"].startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
+    again = StepProfiler(tmp_path / "again", (1, 2))
+    for step in (1, 1, 2):  # step 1 started twice (a retried step)
+        again.start_step(step)
+        x @ x
+    names = sorted(e["name"] for e in _trace(again.close()[0]) if e["name"].startswith("ProfilerStep#"))
+    assert names == ["ProfilerStep#1", "ProfilerStep#1", "ProfilerStep#2"]
+
+
+def test_bad_arguments_name_themselves(tmp_path):
+    """These escaped as TypeErrors from pathlib or a comparison, or were taken silently."""
+    for kw, match in [(dict(out_dir=None), "out_dir: expected the run's directory"), (dict(out_dir=5), "out_dir: expected"),
+                      (dict(rank="x"), "rank: expected an int >= 0"), (dict(rank=-1), "rank: expected"), (dict(rank=True), "rank: expected"),
+                      (dict(device_type=None), "device_type: expected"), (dict(device_type=""), "device_type: expected"),
+                      (dict(memory="yes", device_type="cuda"), "memory: expected a bool")]:
+        with pytest.raises(ValueError, match=match):
+            StepProfiler(**{"out_dir": tmp_path, "steps": (1, 1), **kw})
+    profiler = StepProfiler(tmp_path, (1, 1))
+    for step in ("1", None, 1.5, 0, True):
+        with pytest.raises(ValueError, match="step: expected the step about to run"):
+            profiler.start_step(step)
+    assert profiler.prof is None
+    with pytest.raises(ValueError, match="name: expected the phase's name"):
+        phase(5)

@@ -64,9 +64,28 @@ def test_bad_requests_are_refused():
     for signals in (("SIGKILL",), ("SIGSTOP",), ("TERM",), ("SIG_DFL",), ("SIGNOPE",), "SIGTERM", (15,)):
         with pytest.raises(ValueError, match="signals: expected"):
             StopRequests(signals)
-    for minutes in (-1, float("nan"), float("inf"), True, "90"):
+    for minutes in (-1, float("nan"), float("inf"), True, "90", 10**400):  # 10**400: math.isfinite raised OverflowError
         with pytest.raises(ValueError, match="minutes: expected a time limit in minutes >= 0"):
             StopRequests((), minutes)
+    for signals in (None, 5, {"SIGTERM"}):  # None: "'NoneType' object is not iterable"
+        with pytest.raises(ValueError, match="signals: expected a sequence of signal names"):
+            StopRequests(signals)
+    for start in ("x", float("nan"), True, 10**400):  # "x" was taken, and reason() raised a TypeError later
+        with pytest.raises(ValueError, match="start: expected time.monotonic"):
+            StopRequests((), 1, start=start)
+
+
+def test_entering_twice_is_refused_and_leaks_no_handler():
+    """Entered twice, the inner exit put back the outer's handler and the outer none: the
+    handler stayed installed after both exits."""
+    before = signal.getsignal(signal.SIGUSR2)
+    stop = StopRequests(("SIGUSR2",))
+    with stop:
+        with pytest.raises(ValueError, match="already entered; it is not reentrant"):
+            with stop:
+                pass
+        assert signal.getsignal(signal.SIGUSR2) == stop._note
+    assert signal.getsignal(signal.SIGUSR2) == before
 
 
 def test_handlers_need_the_main_thread():
@@ -240,6 +259,10 @@ def test_nearest_names_begun_then_close():
         "model.n_experts", "model.ffn_expert", "model.expert_bias"]
     assert nearest("zzz", ("steps", "seed")) == [] and nearest("", ("steps",)) == []
     assert nearest("s", ("seed", "steps", "stop_at", "sx")) == ["seed", "steps", "stop_at"]  # at most n
+    for args, match in [((5, ["a"]), "name: expected a str"), (("a", "ab"), "names: expected a sequence of str"), (("a", [1]), "names: expected"),
+                        (("a", ["a"], 0), "n: expected a positive int"), (("a", ["a"], -1), "n: expected"), (("a", ["a"], True), "n: expected")]:
+        with pytest.raises(ValueError, match=match):  # a TypeError, or difflib's "n must be > 0"
+            nearest(*args)
 
 
 def test_run_path_is_relative_to_where_the_run_started(tmp_path):
@@ -249,6 +272,22 @@ def test_run_path_is_relative_to_where_the_run_started(tmp_path):
     assert run_path({"run": {"cwd": str(tmp_path)}}, "hf/qwen3") == tmp_path / "hf" / "qwen3"
     assert run_path({"run": {"cwd": str(tmp_path)}}, "/abs/hf") == pathlib.Path("/abs/hf")  # absolute: as it is
     assert run_path({"config": {}}, "hf") == pathlib.Path("hf")  # no record of where it started
+    for record in (None, "x", {"cwd": None}, {"cwd": 5}):  # an AttributeError on .get for the first two
+        assert run_path({"run": record}, "hf") == pathlib.Path("hf")
+    for path in (None, 5):
+        with pytest.raises(ValueError, match="path: expected a path"):
+            run_path({}, path)
+
+
+def test_write_config_and_run_script_name_their_bad_inputs(tmp_path, monkeypatch):
+    from fmoe.train.run import run_script, write_config
+
+    with pytest.raises(ValueError, match="out_dir: expected a path"):
+        write_config(None, {})
+    assert write_config(tmp_path, {"a": 1}) == tmp_path / "config.json"
+    monkeypatch.setenv("WORLD_SIZE", "two")  # int()'s message named neither
+    with pytest.raises(ValueError, match="WORLD_SIZE: expected an int in the environment .* got 'two'"):
+        run_script(lambda argv: None, [])
 
 
 def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_path):
