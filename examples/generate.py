@@ -280,6 +280,18 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
 
 
 @torch.no_grad()
+def _stop_set(eos) -> set[int]:
+    """generate's eos as a set of token ids: None, one int id or a sequence of them (numpy's
+    and 0-d tensors' ints too), else a ValueError naming eos."""
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    ids = [] if eos is None else [eos] if isinstance(eos, numbers.Integral) else eos
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)) or \
+            not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids) or isinstance(eos, bool):
+        raise ValueError(f"eos: expected None, a token id (int) or a sequence of them, got {eos!r:.80}")
+    return {int(t) for t in ids}
+
+
 def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, eos: Union[int, Sequence[int], None] = None, group=None) -> list[list[int]]:
     """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
@@ -323,7 +335,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     if limit is not None and longest + tokens - 1 > limit:  # the last new token is drawn, never fed back: no position of its own
         raise ValueError(f"tokens: expected at most {limit + 1 - longest} new tokens after a prompt of {longest} (the model's {limit} "
                          f"learned positions, abs_positions), got {tokens}")
-    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    stops = _stop_set(eos)
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     out = [list(prompt) for prompt in prompts]

@@ -215,6 +215,14 @@ def test_a_batch_of_prompts_decodes_as_each_prompt_alone(run_dir):
     assert len(stopped[0]) == len(prompts[0]) + 2 and max(len(a) - len(p) for a, p in zip(stopped, prompts)) == 6
     with pytest.raises(ValueError, match="prompts: expected at least one prompt"):
         generate.generate_many(model, [], tokens=2)
+    import numpy as np
+
+    # numpy's and a 0-d tensor's id stop as an int does (they raised TypeErrors); a str was taken and never matched
+    for same in (np.int64(eos), torch.tensor(eos), [np.int64(eos)], (eos,)):
+        assert generate.generate_many(model, prompts, tokens=6, eos=same) == stopped
+    for bad in ("x", 1.5, True, [eos, "x"], {"eos": eos}):
+        with pytest.raises(ValueError, match="eos: expected None, a token id"):
+            generate.generate_many(model, prompts, tokens=2, eos=bad)
 
 
 def test_cli_samples_in_one_batch_on_a_device_and_dtype(run_dir):

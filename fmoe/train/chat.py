@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Union
@@ -164,7 +165,11 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "a conversation",
                tools: Optional[list] = None) -> str:
         """The conversation's text, as transformers' apply_chat_template(messages, tools=tools,
-        tokenize=False, add_generation_prompt=...)."""
+        tokenize=False, add_generation_prompt=...). messages: a list of {"role": ..., ...}
+        objects, [] where the template can render none (a prompt before the first turn)."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise ValueError(f"messages: expected a list of messages, objects with a string 'role' ({{\"role\": \"user\", \"content\": "
+                             f"\"...\"}}), got {_shown(messages)}")
         # transformers drops the keys whose value is None first (content=None beside tool calls,
         # every schema field of a Parquet row): templates test `'key' in message`, or write "None"
         messages = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
@@ -295,12 +300,19 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
     from `chat_template` when it is a JSON file). variables: more of the template's
     variables (e.g. {"enable_thinking": False}), over the special tokens where both name one,
     as apply_chat_template's **kwargs."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError(f"tokenizer: expected the path of a tokenizer.json, got {type(tokenizer).__name__}")
     folder = Path(tokenizer).parent
     tokens = _special_tokens(folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP)
     extra = check_template_variables(variables or {})
     templates = {}
     if chat_template is not None:
+        if not isinstance(chat_template, (str, os.PathLike)):
+            raise ValueError(f"chat_template: expected the path of a template file, got {type(chat_template).__name__}")
         path = Path(chat_template)
+        if path.is_dir():
+            raise ValueError(f"chat_template: {str(path)!r} is a directory; expected a template file (.jinja) or a JSON file with a "
+                             "\"chat_template\" field")
         if not path.is_file():
             raise FileNotFoundError(f"chat_template: {str(path)!r} does not exist")
         if path.suffix.lower() == ".json":

@@ -347,6 +347,13 @@ def test_missing_templates_and_text_sources(model_dir, tmp_path):
         prepare(src, tmp_path / "o.u16", **kw)
     with pytest.raises(FileNotFoundError, match=r"chat_template: '.*nope.jinja' does not exist"):
         prepare(src, tmp_path / "o.u16", chat_template=tmp_path / "nope.jinja", **kw)
+    # a directory was said not to exist; a None tokenizer raised pathlib's TypeError
+    with pytest.raises(ValueError, match=r"chat_template: '.*' is a directory; expected a template file"):
+        prepare(src, tmp_path / "o.u16", chat_template=tmp_path, **kw)
+    with pytest.raises(ValueError, match="tokenizer: expected the path of a tokenizer.json"):
+        load_chat_template(None)
+    with pytest.raises(ValueError, match="chat_template: expected the path of a template file"):
+        load_chat_template(folder / "tokenizer.json", 5)
     with pytest.raises(ValueError, match=r"chat_template: '.*tokenizer_config.json' has no \"chat_template\" field"):
         prepare(src, tmp_path / "o.u16", chat_template=folder / "tokenizer_config.json", **kw)
     (tmp_path / "t.txt").write_text("plain")
@@ -392,3 +399,13 @@ def test_an_assistant_turn_that_opens_the_conversation():
     with pytest.raises(ValueError, match=r"renders message 1 \(assistant\) somewhere other than after its generation prompt"):
         ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}").documents(
             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])  # a later turn still refuses such a template
+
+
+def test_render_names_a_bad_conversation():
+    """render is public (README): a None or a list of non-messages raised a TypeError or an
+    AttributeError from inside; an empty list renders (the prompt before a first turn)."""
+    template = ChatTemplate(CHATML)
+    assert template.render([], add_generation_prompt=True) == "<|im_start|>assistant\n"
+    for bad in (None, "hi", [1], [{"content": "x"}], ({"role": "user", "content": "x"},)):
+        with pytest.raises(ValueError, match="messages: expected a list of messages, objects with a string 'role'"):
+            template.render(bad)
