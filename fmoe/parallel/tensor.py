@@ -238,15 +238,20 @@ class _ShardedRegion(ParallelStyle):
     (output)."""
 
     shard_dims: dict[str, int] = {}
+    where = ""  # the module's name in the model, for messages (tensor_parallel_plan sets it)
 
     def _shard_dims(self, module: nn.Module) -> dict[str, int]:
         return self.shard_dims
+
+    def _label(self, module: nn.Module) -> str:
+        """The module's class and, where known, its name in the model: "DenseMLP 'blocks.1.moe.shared'"."""
+        return f"{type(module).__name__} {self.where!r}" if self.where else type(module).__name__
 
     def _check(self, module: nn.Module, tp: int) -> None:
         for name, dim in self._shard_dims(module).items():
             size = getattr(module, name).shape[dim]
             if size % tp:
-                raise ValueError(f"tp: {type(module).__name__}.{name} has {size} rows/cols on dim {dim}, not divisible by tp = {tp}")
+                raise ValueError(f"tp: {self._label(module)}: its {name} has {size} rows/cols on dim {dim}, not divisible by tp = {tp}")
 
     def _configure(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Adjust the module's per-rank configuration (head counts)."""
@@ -352,7 +357,7 @@ class _HeadsRegion(_ShardedRegion):
         if any(n % tp for n in counts.values()):
             *rest, last = [f"{self.knobs.get(name, name)} = {n}" for name, n in counts.items()]
             listed, each = (f"{', '.join(rest)} and {last}", "both " if len(rest) == 1 else "all ") if rest else (last, "")
-            raise ValueError(f"tp: {type(module).__name__}'s {listed} must {each}be divisible by tp = {tp}")
+            raise ValueError(f"tp: {self._label(module)}: its {listed} must {each}be divisible by tp = {tp}")
         super()._check(module, tp)
 
     def _configure(self, module, mesh):
@@ -565,4 +570,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             first, last = _block_edges(model, name, module)
             if first or last:
                 plan[name] = ShardTokens(split_input=first, gather_output=last)
+    for name, style in plan.items():
+        if isinstance(style, _ShardedRegion):
+            style.where = name
     return plan

@@ -954,7 +954,9 @@ def _bad_tp(rank, world):
                              (dict(n_heads=6, n_kv_heads=3), dict(tp=2)), (dict(qk_norm="proj", n_kv_heads=1), dict(tp=2)),
                              # a sliding block's own heads, named by the knobs that set them; three counts at once
                              (dict(SLIDING, local_heads=3, local_kv_heads=1), dict(tp=2)), (dict(SLIDING, local_heads=6, local_kv_heads=3), dict(tp=2)),
-                             (dict(SLIDING, local_kv_heads=1, qk_norm="proj"), dict(tp=2)), (dict(n_heads=6, n_kv_heads=3, o_groups=3, o_rank=6), dict(tp=2))):
+                             (dict(SLIDING, local_kv_heads=1, qk_norm="proj"), dict(tp=2)), (dict(n_heads=6, n_kv_heads=3, o_groups=3, o_rank=6), dict(tp=2)),
+                             # the shared expert's FFN (ffn_expert): named by where it is, not only as a DenseMLP
+                             (dict(ffn_expert=33), dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -970,22 +972,23 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 13
-        assert "Attention's n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
+        assert len(messages) == 14
+        assert "tp: Attention 'blocks.0.attn': its n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
-        assert "LinearAttention's linear_k_heads = 1 and linear_v_heads = 2 must both be divisible by tp = 2" in messages[3]
-        assert "tp: LinearAttention's linear_v_heads = 33 must be divisible by tp = 2" in messages[4]  # Mamba-1's channels alone
+        assert "LinearAttention 'blocks.0.attn': its linear_k_heads = 1 and linear_v_heads = 2 must both be divisible by tp = 2" in messages[3]
+        assert "tp: LinearAttention 'blocks.0.attn': its linear_v_heads = 33 must be divisible by tp = 2" in messages[4]  # Mamba-1's channels alone
         # fewer kv heads than ranks are replicated, but not under a mixture of attention heads or a norm over the whole projection
         assert "tp: n_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[5] and "not with moa_experts 3" in messages[5]
         assert "n_heads = 6 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[6]  # more kv heads than ranks: split
         assert "not with qk_norm 'proj'" in messages[7]
         # the sliding block's counts by the knobs the user set (its one kv head replicated), not the global n_heads / n_kv_heads
-        assert "tp: Attention's local_heads = 3 must be divisible by tp = 2" in messages[8]
-        assert "tp: Attention's local_heads = 6 and local_kv_heads = 3 must both be divisible by tp = 2" in messages[9]
+        assert "tp: Attention 'blocks.1.attn': its local_heads = 3 must be divisible by tp = 2" in messages[8]
+        assert "tp: Attention 'blocks.1.attn': its local_heads = 6 and local_kv_heads = 3 must both be divisible by tp = 2" in messages[9]
         assert "tp: local_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[10] and "not with qk_norm 'proj'" in messages[10]
-        assert "tp: Attention's n_heads = 6, n_kv_heads = 3 and o_groups = 3 must all be divisible by tp = 2" in messages[11]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[12] and "tokens_per_micro_batch" in messages[12]
+        assert "tp: Attention 'blocks.0.attn': its n_heads = 6, n_kv_heads = 3 and o_groups = 3 must all be divisible by tp = 2" in messages[11]
+        assert "tp: DenseMLP 'blocks.1.mlp.shared': its w_gate has 33 rows/cols on dim 1, not divisible by tp = 2" in messages[12]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[13] and "tokens_per_micro_batch" in messages[13]
 
 
 def _failed_export(rank, world):
