@@ -187,6 +187,8 @@ class ChatTemplate:
         string of one), or None."""
         check_messages(messages, where)
         tools = _tools(tools, where)
+        if not any(message["role"] == TRAINED_ROLE for message in messages):  # skipped unrendered: a template may refuse it (Mistral's
+            return []  # role alternation refuses a system message alone), which stopped a whole prepare
         render = functools.partial(self.render, tools=tools)
         whole = render(messages, where=where)
         turns = []  # (messages[:i + 1]'s text, turn i's span in it)

@@ -303,12 +303,14 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
      "chat_template_kwargs: 'messages' is set by the renderer itself"),
     ([{"messages": [{"role": "user", "content": "hi"}]}], dict(chat_template_kwargs=[1]),
      r"chat_template_kwargs: expected a JSON object of variable names to values, got \[1\]"),
-    ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+    # (each with an assistant turn: a conversation without one is skipped unrendered)
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}],
      dict(template="{% if messages[1].role == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"),
      r"line 1 \(TemplateError: roles must alternate\)"),
-    ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{{ messages.__class__.__mro__ }}"), r"refused .* \(SecurityError"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c"}]}], dict(template="{{ messages.__class__.__mro__ }}"),
+     r"refused .* \(SecurityError"),
     # an error of Python's inside the template, not jinja's: the record is named too
-    ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{{ messages[0].content + 1 }}"), r"refused '.*c.jsonl' line 1 \(TypeError: can only concatenate str"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c"}]}], dict(template="{{ messages[0].content + 1 }}"), r"refused '.*c.jsonl' line 1 \(TypeError: can only concatenate str"),
     ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{% for %}"), "is not a valid Jinja template"),
     ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
      dict(template="{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}"),
@@ -409,3 +411,17 @@ def test_render_names_a_bad_conversation():
     for bad in (None, "hi", [1], [{"content": "x"}], ({"role": "user", "content": "x"},)):
         with pytest.raises(ValueError, match="messages: expected a list of messages, objects with a string 'role'"):
             template.render(bad)
+
+
+def test_a_conversation_without_an_assistant_turn_is_skipped_unrendered():
+    """It was rendered first: a template that refuses it (Mistral's role alternation, for a
+    system message alone) stopped the whole prepare instead of the record being skipped."""
+    template = ChatTemplate("{% if messages[-1]['role'] != 'assistant' and not add_generation_prompt %}"
+                            "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+                            "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    assert template.documents([{"role": "system", "content": "be brief"}]) == []
+    assert template.documents([{"role": "user", "content": "q"}, {"role": "user", "content": "q2"}]) == []
+    assert template.documents([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]) == [("[user]q[assistant]a", [(7, 19)])]
+    with pytest.raises(ValueError, match="refused a conversation"):  # with an assistant turn it is rendered, and refused, as before
+        template.documents([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "b"},
+                            {"role": "user", "content": "q"}])
