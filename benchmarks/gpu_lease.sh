@@ -266,21 +266,19 @@ backward forms of the same gather, timed alone and inside the loss's scores chai
 import sys, torch
 from triton.testing import do_bench
 
-class ByIndexAdd(torch.autograd.Function):
+class Gather(torch.autograd.Function):  # keys[slots]; each subclass its own backward
     @staticmethod
     def forward(ctx, keys, slots):
         ctx.save_for_backward(slots); ctx.S = keys.shape[0]
         return keys[slots]
+
+class ByIndexAdd(Gather):
     @staticmethod
     def backward(ctx, g):
         slots, = ctx.saved_tensors
         return g.new_zeros(ctx.S, g.shape[-1]).index_add_(0, slots.reshape(-1), g.reshape(-1, g.shape[-1])), None
 
-class BySegments(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, keys, slots):
-        ctx.save_for_backward(slots); ctx.S = keys.shape[0]
-        return keys[slots]
+class BySegments(Gather):
     @staticmethod
     def backward(ctx, g):
         slots, = ctx.saved_tensors
