@@ -377,6 +377,9 @@ def main(argv: list[str]) -> None:
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         sys.exit(f"--dtype: expected auto, float32 or bfloat16, got {cfg.dtype!r}")
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.compile and cfg.whole_documents and device.type == "cpu" and torch.__version__.startswith("2.13."):
+        sys.exit("--compile with --whole_documents on the CPU: torch 2.13's inductor returns wrong router gradients where padding is "
+                 "masked out of the routing (plain torch shows it: tests/ops/test_routing.py keeps the case); drop one of the two")
     try:
         profile_steps = parse_steps(cfg.profile)
         if cfg.memory_snapshot and profile_steps is None:
