@@ -22,6 +22,8 @@ MoE transformer uses, read no tensor value on the host (tests/ops/test_checks.py
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -142,6 +144,13 @@ def check_bools(**flags) -> None:
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise ValueError(f"{name}: expected a bool, got {flag!r}")
+
+
+def check_path(name: str, path, what: str = "a path"):
+    """path, a str or os.PathLike (a file or folder argument), or a ValueError naming it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{name}: expected {what} (str or os.PathLike), got {type(path).__name__}")
+    return path
 
 
 def check_positive_int(name: str, value, low: int = 1, high: int | None = None) -> int:

@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Union
+
+from fmoe.ops.checks import check_path
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 NAMED_TEMPLATES_DIR = "additional_chat_templates"  # <name>.jinja beside chat_template.jinja (transformers 5's layout)
@@ -302,15 +303,13 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
     from `chat_template` when it is a JSON file). variables: more of the template's
     variables (e.g. {"enable_thinking": False}), over the special tokens where both name one,
     as apply_chat_template's **kwargs."""
-    if not isinstance(tokenizer, (str, os.PathLike)):
-        raise ValueError(f"tokenizer: expected the path of a tokenizer.json, got {type(tokenizer).__name__}")
+    check_path("tokenizer", tokenizer, "the path of a tokenizer.json")
     folder = Path(tokenizer).parent
     tokens = _special_tokens(folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP)
     extra = check_template_variables(variables or {})
     templates = {}
     if chat_template is not None:
-        if not isinstance(chat_template, (str, os.PathLike)):
-            raise ValueError(f"chat_template: expected the path of a template file, got {type(chat_template).__name__}")
+        check_path("chat_template", chat_template, "the path of a template file")
         path = Path(chat_template)
         if path.is_dir():
             raise ValueError(f"chat_template: {str(path)!r} is a directory; expected a template file (.jinja) or a JSON file with a "

@@ -92,7 +92,7 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 
-from fmoe.ops.checks import check_positive_int
+from fmoe.ops.checks import check_path, check_positive_int
 from fmoe.train.chat import TOOLS_FIELD, TRAINED_ROLE, json_object, load_chat_template
 from fmoe.train.data import FILE_DTYPES, MASK_SUFFIX, SUFFIX_DTYPES, index_path, list_text_files
 
@@ -362,8 +362,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
             {"enable_thinking": False} (as apply_chat_template's **kwargs).
     """
     for name, path in (("src", src), ("out", out), ("tokenizer", tokenizer)):
-        if not isinstance(path, (str, os.PathLike)):
-            raise ValueError(f"{name}: expected a path (str or os.PathLike), got {type(path).__name__}")
+        check_path(name, path)
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
     if out.suffix.lower() == ".npy":  # the loaders read a .npy name as numpy's array format, which this file is not
         raise ValueError(f"out: {str(out)!r} would be read as a numpy array; name the token file .u16, .u32 or .bin")

@@ -20,11 +20,12 @@ The profiled steps run slower than the others (the profiler records every op).""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from fmoe.ops.checks import check_bools, check_path, check_positive_int
 
 PHASE_PREFIX = "fmoe."  # the loop's ranges in a trace: fmoe.forward_backward, fmoe.optimizer, ...
 
@@ -78,14 +79,11 @@ class StepProfiler:
             if not pair or not 1 <= steps[0] <= steps[1]:
                 raise ValueError(f"steps: expected None or (START, END), ints with 1 <= START <= END as parse_steps returns, got {steps!r}")
             steps = tuple(steps)
-        if not isinstance(out_dir, (str, os.PathLike)):
-            raise ValueError(f"out_dir: expected the run's directory (str or os.PathLike), got {type(out_dir).__name__}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+        check_path("out_dir", out_dir, "the run's directory")
+        check_positive_int("rank", rank, 0)
+        check_bools(memory=memory)
         if not isinstance(device_type, str) or not device_type:
             raise ValueError(f"device_type: expected a device type such as 'cuda' or 'cpu', got {device_type!r}")
-        if not isinstance(memory, bool):
-            raise ValueError(f"memory: expected a bool, got {memory!r}")
         if memory and device_type != "cuda":
             raise ValueError(f"--memory_snapshot: records the CUDA allocator; this run is on {device_type}")
         self.dir, self.steps, self.rank, self.device_type, self.memory = Path(out_dir) / "profile", steps, rank, device_type, memory

@@ -54,6 +54,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 import fmoe
+from fmoe.ops.checks import check_path
 
 
 def set_deterministic(enabled: bool = True) -> None:
@@ -105,7 +106,7 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     every knob, e.g. dataclasses.asdict of the loop's Config). Returns the path."""
     if not isinstance(config, dict):
         raise ValueError(f"config: expected a dict of knobs, got {type(config).__name__}")
-    out_dir = Path(_check_path("out_dir", out_dir))
+    out_dir = Path(check_path("out_dir", out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
     path.write_text(json.dumps({"config": config, **extra, "run": run_info()}, indent=2, default=str) + "\n")
@@ -121,17 +122,10 @@ def run_path(run: dict, path) -> Path:
     >>> str(run_path({"run": {"cwd": "/data/runs"}}, "hf/qwen3")), str(run_path({}, "hf/qwen3"))
     ('/data/runs/hf/qwen3', 'hf/qwen3')
     """
-    _check_path("path", path)
+    check_path("path", path)
     record = run.get("run") if isinstance(run, dict) else None
     cwd = record.get("cwd") if isinstance(record, dict) else None
     return Path(cwd, path) if isinstance(cwd, str) and cwd else Path(path)
-
-
-def _check_path(name: str, path):
-    """path (a str or os.PathLike), or a ValueError naming the argument."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"{name}: expected a path (str or os.PathLike), got {type(path).__name__}")
-    return path
 
 
 # a process cannot catch these: no handler can note them

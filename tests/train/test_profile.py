@@ -128,7 +128,7 @@ def test_a_missed_end_step_does_not_record_past_end_and_steps_are_named_by_their
 def test_bad_arguments_name_themselves(tmp_path):
     """These escaped as TypeErrors from pathlib or a comparison, or were taken silently."""
     for kw, match in [(dict(out_dir=None), "out_dir: expected the run's directory"), (dict(out_dir=5), "out_dir: expected"),
-                      (dict(rank="x"), "rank: expected an int >= 0"), (dict(rank=-1), "rank: expected"), (dict(rank=True), "rank: expected"),
+                      (dict(rank="x"), "rank: expected an int, got 'x'"), (dict(rank=-1), "rank: expected >= 0, got -1"), (dict(rank=True), "rank: expected an int"),
                       (dict(device_type=None), "device_type: expected"), (dict(device_type=""), "device_type: expected"),
                       (dict(memory="yes", device_type="cuda"), "memory: expected a bool")]:
         with pytest.raises(ValueError, match=match):
