@@ -235,7 +235,7 @@ def _compiled(source: str, origin: str):
 def check_messages(messages, where: str) -> None:
     """A conversation: a non-empty list of objects, each with a string "role"."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"src: {where} has no conversation: expected a non-empty list of messages, got {_shown(messages)}")
+        raise ValueError(f"src: {where}: expected a conversation, a non-empty list of messages, got {_shown(messages)}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"src: {where}: message {i} is not an object with a string 'role' (got {_shown(message)}); "

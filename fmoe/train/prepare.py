@@ -62,7 +62,7 @@ OUT gets the ids (uint16 when the vocabulary fits, <= 65536 ids, else uint32; a 
     {"documents": n, "tokens": n_tokens, "dtype": "uint16", "separator": id,
      "vocab_size": tokenizer.get_vocab_size(), "tokenizer": "/abs/tokenizer.json", "sources": n_files,
      "text_key": "text" (when some file is JSON Lines or Parquet, without conversations),
-     "prompt_key": "prompt" (with prompts), "messages_key": "messages", "chat_template": path,
+     "prompt_key": "prompt" (with prompts), "messages_key": "messages", "chat_template": "/abs/template",
      "conversations": n, "split_conversations": n, "chat_template_kwargs": {...} (when given),
      "prompt_tokens": n (the tokens out of the loss), "loss_mask": "OUT.loss_mask" (with either)}
 
@@ -454,7 +454,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
                      tokenizer=str(tokenizer_path.resolve()), sources=len(files),
                      **({"text_key": text_key} if records and chat is None else {}),
                      **(dict(prompt_key=prompt_key) if prompt_key is not None else {}),
-                     **(dict(messages_key=messages_key, chat_template=chat.origin, conversations=conversations,
+                     **(dict(messages_key=messages_key, chat_template=str(Path(chat.origin).resolve()), conversations=conversations,
                              split_conversations=split) if chat is not None else {}),
                      **(dict(chat_template_kwargs=chat_template_kwargs) if chat_template_kwargs else {}),
                      **(dict(prompt_tokens=prompt_tokens, loss_mask=final_mask.name) if masked else {}))

@@ -13,7 +13,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
 
 from fmoe.train.chat import ChatTemplate, load_chat_template  # noqa: E402
-from fmoe.train.data import load_corpus  # noqa: E402
+from fmoe.train.data import index_path, load_corpus  # noqa: E402
 from fmoe.train.prepare import prepare  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -158,6 +158,18 @@ def test_the_template_is_found_beside_the_tokenizer_or_named(model_dir, tmp_path
     assert template.render([{"role": "user", "content": "é"}, {"role": "x"}]) == '{"role": "user", "content": "é"}'
 
 
+def test_the_index_names_the_template_by_an_absolute_path(model_dir, tmp_path, monkeypatch):
+    """--chat_template given relative to where prepare ran: the index names the file by its
+    absolute path, so it still says which template made the ids wherever it is read."""
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    monkeypatch.chdir(tmp_path)
+    src = _jsonl(tmp_path / "c.jsonl", [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]])
+    index = prepare(src, tmp_path / "o.u16", tokenizer=model_dir / "tokenizer.json", messages_key="messages",
+                    chat_template="t.jinja", progress=False)
+    assert index["chat_template"] == str((tmp_path / "t.jinja").resolve())
+    assert json.loads(index_path(tmp_path / "o.u16").read_text())["chat_template"] == index["chat_template"]
+
+
 def test_a_template_that_rewrites_earlier_turns_gives_one_document_per_turn(model_dir, tmp_path):
     """Qwen3-style: a turn's reasoning shows only after the last user message, so the whole
     conversation shows the first reply without the reasoning the model wrote it with. Each
@@ -290,8 +302,8 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
 
 
 @pytest.mark.parametrize("records, kwargs, match", [
-    ([{"messages": "hi"}], {}, r"line 1 has no conversation: expected a non-empty list of messages, got 'hi'"),
-    ([{"messages": []}], {}, r"line 1 has no conversation"),
+    ([{"messages": "hi"}], {}, r"line 1: expected a conversation, a non-empty list of messages, got 'hi'"),
+    ([{"messages": []}], {}, r"line 1: expected a conversation"),
     ([{"messages": [{"content": "hi"}]}], {}, r"line 1: message 0 is not an object with a string 'role' \(got \{'content': 'hi'\}\)"),
     ([{"text": "hi"}], {}, r"line 1 has no 'messages' field \(no such key; keys: \['text'\]\); choose it with --messages_key"),
     ([{"messages": [{"role": "user", "content": "hi"}]}], {}, r"no conversation in '.*' has a message whose role is 'assistant'"),
