@@ -44,6 +44,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -320,10 +321,14 @@ class ArgumentParser(argparse.ArgumentParser):
     rather than writing to standard error first: run_script can then hold a rank's copy back.
     An unrecognized option gets the options it may have meant (nearest)."""
 
-    def error(self, message: str):
-        if message.startswith("unrecognized arguments: "):
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:  # argparse's own message joins them with spaces: one quoted argument would read as several
             options = [option[2:] for action in self._actions for option in action.option_strings if option.startswith("--")]
-            unknown = [arg[2:].partition("=")[0] for arg in message.removeprefix("unrecognized arguments: ").split() if arg.startswith("--")]
-            near = dict.fromkeys(f"--{option}" for arg in unknown for option in nearest(arg, options))
-            message += f"; did you mean {' or '.join(near)}?" if near else ""
+            near = dict.fromkeys(f"--{option}" for arg in unknown if arg.startswith("--")
+                                 for option in nearest(arg[2:].partition("=")[0], options))
+            self.error(f"unrecognized arguments: {shlex.join(unknown)}" + (f"; did you mean {' or '.join(near)}?" if near else ""))
+        return parsed
+
+    def error(self, message: str):
         sys.exit(f"{self.format_usage()}{self.prog}: error: {message}")

@@ -216,6 +216,9 @@ def test_argument_parser_errors_are_system_exits_with_the_message():
     with pytest.raises(SystemExit) as stop:
         parser.parse_args(["--n=1", "--max_new_tokens", "5", "--x=1"])
     assert stop.value.code.endswith("tool: error: unrecognized arguments: --max_new_tokens 5 --x=1; did you mean --tokens?")
+    with pytest.raises(SystemExit) as stop:  # one quoted argument that holds several: one unknown, named whole
+        parser.parse_args(["--n=1", "--tokns=2 --lr=3"])
+    assert stop.value.code.endswith("tool: error: unrecognized arguments: '--tokns=2 --lr=3'; did you mean --tokens?")
     for wait in (-1, True, "5", float("nan")):
         with pytest.raises(ValueError, match="wait: expected seconds >= 0"):
             run_script(_refuse, ["lr"], wait=wait)
