@@ -225,6 +225,11 @@ def knob_help() -> str:
     return "\n".join(lines)
 
 
+def _pp_knobs(err: ValueError) -> str:
+    """A pipeline error in the knobs' words: the stage sizes Pipeline calls layers_per_stage are --pp_layers."""
+    return str(err).replace("layers_per_stage", "--pp_layers")
+
+
 def parse_args(argv: list[str]) -> Config:
     """--name=value overrides of Config and --model.name=value of its TransformerConfig; a
     bare --name sets a bool knob; --help prints every knob (knob_help). Unknown names (with
@@ -432,7 +437,7 @@ def main(argv: list[str]) -> None:
         if cfg.pp == 1 and pp_layers is not None:
             parallel.stage_layers(cfg.model.n_layers, cfg.pp_virtual, pp_layers)
     except ValueError as err:
-        sys.exit(f"pipeline knobs (--pp_schedule, --pp_virtual, --pp_layers) at --pp={cfg.pp}: {err}")
+        sys.exit(f"pipeline knobs (--pp_schedule, --pp_virtual, --pp_layers) at --pp={cfg.pp}: {_pp_knobs(err)}")
     meshes, rank, dp_rank, dp, cp_rank = None, 0, 0, 1, 0
     # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
     # keeps float32 master weights and sums gradients in float32; one process is a group of 1)
@@ -539,7 +544,7 @@ def main(argv: list[str]) -> None:
             for n in {-(-b // dp) for _, b in parse_batch_schedule(cfg.batch_schedule)}:
                 pipe.check_micro_batches(n)
         except ValueError as err:
-            sys.exit(f"pipeline knobs (--pp, --pp_schedule, --pp_virtual, --pp_layers, --batch_schedule): {err}")
+            sys.exit(f"pipeline knobs (--pp, --pp_schedule, --pp_virtual, --pp_layers, --batch_schedule): {_pp_knobs(err)}")
         model = None
     # this rank's part of the model: the whole model, or its pipeline stages (each with the
     # whole model's parameter names; optimizers and checkpoints take them as a list)

@@ -446,7 +446,7 @@ BAD_KNOBS = [
     (["--pp_schedule=bogus"], "pipeline knobs (--pp_schedule, --pp_virtual, --pp_layers) at --pp=1: pp_schedule: expected one of gpipe"),
     (["--pp_virtual=0"], "at --pp=1: pp_virtual: expected a positive int, got 0"),
     (["--pp_layers=abc"], "--pp_layers: expected comma-separated layer counts like 3,2,2,1, got 'abc'"),
-    (["--pp_layers=9,9,9"], "at --pp=1: layers_per_stage: expected 1 positive ints (one per stage, pp x pp_virtual) summing to n_layers"),
+    (["--pp_layers=9,9,9"], "at --pp=1: --pp_layers: expected 1 positive ints (one per stage, pp x pp_virtual) summing to n_layers"),
 ]
 
 
