@@ -663,6 +663,8 @@ def main(argv: list[str]) -> None:
     # states; activations come on top) and whether energy can be read (NVML, CUDA only)
     plan = metrics.memory_plan(parts, optimizers, grad_dtype=torch.float32)
     energy = metrics.EnergyMeter(device)
+    if meshes is not None:  # every rank's device summed, or none: each reading is then a collective of every rank
+        energy.agree(dist.group.WORLD, device)
     if profile_steps is not None and profile_steps[1] <= step < last:  # a resumed run: those steps were run before it
         sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
     if rank == 0:
@@ -944,10 +946,8 @@ def main(argv: list[str]) -> None:
             if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
                 record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))
             seconds = time.perf_counter() - t0
-            joules = energy.joules_since_last()  # this rank's device since the last step (after the step's sync); None off CUDA
+            joules = energy.joules_since_last()  # every rank's device since the last step (after the step's sync); None off CUDA
             if joules is not None:
-                if meshes is not None:  # every rank's device
-                    joules = float(parallel.all_reduce_sums({"j": torch.tensor(joules, device=device)}, dist.group.WORLD)["j"])
                 record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
             # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
             n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro

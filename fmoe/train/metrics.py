@@ -23,6 +23,7 @@ a JSONL logger.
     SavedTensors(exclude=params)                    counts the bytes kept for the backward
     AllocatedBytes()                                live and peak bytes of the tensors created
     EnergyMeter(device, *, query=None).joules_since_last() -> float | None   NVML energy
+    EnergyMeter.agree(group, device)          several processes: every rank's energy summed, or none
     memory_plan(modules, optimizers, *, grad_dtype=float32) -> dict   this rank's bytes of
                                                     parameters, gradients, optimizer states
 
@@ -1065,6 +1066,7 @@ class EnergyMeter:
     """The energy a GPU used between two calls, from NVML's total-energy counter.
 
         meter = EnergyMeter(device)                  # at start
+        meter.agree(group, device)                   # several processes: on every rank of group
         ...
         joules = meter.joules_since_last()           # once per step, after the step's host sync
 
@@ -1082,12 +1084,23 @@ class EnergyMeter:
     transfer, so that the interval covers the step's GPU work. A reading that fails later
     makes the meter unavailable (None from then on); a counter that went backwards (the
     driver reloaded) gives None for that interval.
+
+    Several processes: `agree(group, device)` on every rank of the group, once, makes the
+    meter the group's. Its readings are then the sum over the group's devices, and
+    `available` is the same on every rank: where one rank's meter cannot read (no pynvml on
+    one node, a GPU without the counter), none reads, that rank keeping its own reason and
+    the others' saying how many ranks lack it. Each reading is then a collective on every
+    rank (called by each at the same step, as the loop does): None on every rank for an
+    interval one rank's counter went backwards in; a read that fails on one rank makes every
+    rank's meter unavailable. A meter read on some ranks only would leave the others waiting
+    in a collective the first skipped.
     """
 
     def __init__(self, device, *, query: Optional[Callable[[int], float]] = None):
         self.device = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
         self.available, self.reason, self.index = False, None, None
         self._query, self._errors, self._last = None, (Exception,), None
+        self._group = None  # (group, device of its collectives) once agree()d and available
         self.reason = self._start(query)
         self.available = self.reason is None
 
@@ -1128,17 +1141,46 @@ class EnergyMeter:
             return f"NVML error: {e}"
         return None
 
+    def agree(self, group, device) -> None:
+        """Make this meter the group's (class docstring): one all_reduce on `device` (the
+        group's backend's: CUDA for nccl, the CPU for gloo), on every rank of `group`."""
+        import torch.distributed as dist
+
+        lacking = torch.tensor([0.0 if self.available else 1.0], dtype=torch.float64, device=device)
+        dist.all_reduce(lacking, group=group)
+        lacking, world = int(lacking.item()), dist.get_world_size(group)
+        if lacking and self.available:
+            self.available, self.reason = False, f"{lacking} of {world} ranks cannot read it"
+        self._group = (group, device) if self.available else None
+
     def joules_since_last(self) -> Optional[float]:
-        """Joules used since the previous call (or construction); None when unavailable."""
+        """Joules used since the previous call (or construction); None when unavailable.
+        Once agree()d: the group's joules, a collective on every rank (class docstring)."""
         if not self.available:
             return None
         try:
             now = float(self._query(self.index))
         except self._errors as e:
             self.available, self.reason = False, f"NVML error: {e}"
+            now = None
+        used = None
+        if now is not None:
+            used, self._last = now - self._last, now
+            used = used / 1000.0 if used >= 0 else None
+        if self._group is None:
+            return used
+        import torch.distributed as dist
+
+        group, device = self._group
+        sums = torch.tensor([used or 0.0, used is None, not self.available], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=group)
+        total, missing, failed = sums.tolist()
+        if failed:  # one rank's read failed: every rank's meter stops, so that none waits in this collective again
+            self._group = None
+            if self.available:
+                self.available, self.reason = False, f"NVML error on {int(failed)} of {dist.get_world_size(group)} ranks"
             return None
-        used, self._last = now - self._last, now
-        return used / 1000.0 if used >= 0 else None
+        return None if missing else total
 
 
 # ----------------------------------------------------------------------------------------

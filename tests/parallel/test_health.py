@@ -2,7 +2,8 @@
 (dp_replicate = 2) and TP (norms and routers replicated over tp): quiet at the start and
 after a training step, and on every rank the name of a parameter one rank corrupted (an
 added 1e-3, one flipped low bit) or of an expert_bias buffer; and fmoe.train.metrics'
-memory_plan on FSDP2 ranks, whose per-rank bytes add up to one process's. One spawn runs
+memory_plan on FSDP2 ranks, whose per-rank bytes add up to one process's, and its
+EnergyMeter agreed over the ranks. One spawn runs
 every distributed check; the one-process checks run here."""
 
 import pytest
@@ -115,7 +116,45 @@ def _world4(rank, world_size):
 
     fsdp = _model(MEMORY, dict(dp_shard=4, ep=2))
     out["fsdp_memory"] = memory_plan(fsdp, AdamW(fsdp.parameters(), state_dtype=torch.bfloat16, impl="torch"))
+    out["energy"] = _energy(rank)
     return out
+
+
+def _energy(rank):
+    """EnergyMeter.agree on 4 ranks, each with a fake counter (no NVML): the readings of
+    every call, the meter's state after rank 3's read fails, and a meter that rank 2 alone
+    cannot read from the start. A rank joining a collective the others skip hangs the group."""
+    from fmoe.train.metrics import EnergyMeter
+
+    millijoules, failing = [0.0], []
+
+    def counter(index):
+        if failing:
+            raise RuntimeError("Not Supported")
+        return millijoules[0]
+
+    meter = EnergyMeter("cuda:0", query=counter)
+    meter.agree(dist.group.WORLD, "cpu")
+    readings = []
+    millijoules[0] += 1000 * (rank + 1)
+    readings.append(meter.joules_since_last())  # 1 + 2 + 3 + 4 J
+    millijoules[0] = 0.0 if rank == 1 else millijoules[0] + 1000  # rank 1's driver reloaded
+    readings.append(meter.joules_since_last())
+    millijoules[0] += 500
+    readings.append(meter.joules_since_last())  # 4 x 0.5 J
+    if rank == 3:
+        failing.append(True)
+    readings.append(meter.joules_since_last())
+    after = (meter.available, meter.reason)
+    readings.append(meter.joules_since_last())  # off on every rank: no collective
+
+    def broken(index):
+        raise RuntimeError("Not Supported")
+
+    failing.clear()
+    one_lacks = EnergyMeter("cuda:0", query=broken if rank == 2 else counter)
+    one_lacks.agree(dist.group.WORLD, "cpu")
+    return dict(readings=readings, after=after, one_lacks=(one_lacks.available, one_lacks.reason, one_lacks.joules_since_last()))
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +212,18 @@ def test_memory_plan_ranks_add_up_to_one_process(world4):
     dense = sum(p["by_mesh"]["dp_shard"]["params"] for p in plans)
     assert experts + dense / 2 == one["params"]
     assert experts == 4 * 2 * 3 * 4 * 32 * 32  # float32 [E, H, F] x 3 in the trunk's MoE block and the MTP's
+
+
+def test_energy_is_every_ranks_or_none(world4):
+    """An EnergyMeter agreed over the ranks reads the sum of every rank's device; an interval
+    one rank could not read gives None on every rank, and a read that fails on one rank, or
+    a rank that cannot read from the start, turns every rank's meter off (no rank is left
+    waiting in a collective the others skipped: the group would hang)."""
+    for rank, r in enumerate(world4):
+        e = r["energy"]
+        assert e["readings"] == [10.0, None, 2.0, None, None], rank
+        assert e["after"] == ((False, "NVML error: Not Supported") if rank == 3 else (False, "NVML error on 1 of 4 ranks")), rank
+        assert e["one_lacks"] == ((False, "NVML error: Not Supported", None) if rank == 2 else (False, "1 of 4 ranks cannot read it", None)), rank
 
 
 def test_one_process_and_bad_arguments():
