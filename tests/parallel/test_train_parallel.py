@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -248,6 +249,26 @@ def test_checkpoint_of_cp2_resumes_on_one_process(reference, tmp_path):
     resumed = _train(tmp_path, 1, "--resume=True")
     assert [r["step"] for r in first] == [1, 2, 3]
     _assert_same(resumed, reference())
+
+
+def test_a_checkpoint_whose_ranks_disagree_stops_every_rank_with_one_message(tmp_path):
+    """Each rank reads its own extra file: one that cannot be read on rank 1 alone, or one of
+    another step (a folder put together from two saves), stops both ranks before the load's
+    collectives, rank 0 saying what rank 1 found (before, rank 1 alone refused, after a
+    minute, while rank 0 waited in the load; the mixed steps trained on)."""
+    _train(tmp_path, 2, "--stop_at=2")
+    _train(tmp_path, 2, "--resume", "--stop_at=3")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "examples" / "train_moe.py"),
+              f"--out_dir={tmp_path}", *TINY, "--resume"]
+    step3 = tmp_path / "step_000003"
+    shutil.copy(tmp_path / "step_000002" / "extra_rank1.pt", step3 / "extra_rank1.pt")
+    for said in (f"--resume: path: '{step3}': the ranks' extra files are of different steps (rank 0: 3, rank 1: 2); a checkpoint "
+                 "put together from several saves?",
+                 f"--resume: rank 1: path: '{step3}' could not be read (extra_rank1.pt: "):
+        run = subprocess.run(launch, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode != 0 and said in run.stderr, run.stdout[-2000:] + run.stderr[-4000:]
+        assert "step 4" not in run.stdout, run.stdout[-2000:]
+        (step3 / "extra_rank1.pt").write_bytes(b"not a checkpoint")
 
 
 def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
