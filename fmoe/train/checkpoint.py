@@ -544,7 +544,9 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     zero-lr step on zero gradients), then overwritten bit for bit; the parameters the
     checkpoint holds no optimizer state for (no gradient before the save: AdamW and Muon keep
     none) are left without state, as they were then, and so are the optimizers the checkpoint
-    saved before their first step.
+    saved before their first step. Under several processes, every rank (of the default
+    group) calls it: an extra file that one rank cannot read, or extras of different steps,
+    raise the same ValueError on every rank, before the model's collectives.
 
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
