@@ -225,6 +225,23 @@ def knob_help() -> str:
     return "\n".join(lines)
 
 
+def _every_rank(meshes, refusal: typing.Optional[str], facts, differ: typing.Callable[[list], str]) -> typing.Optional[str]:
+    """What every rank says about a thing each read itself (one all_gather_object): the
+    refusal of the first rank that made one (prefixed with its rank where not every rank
+    made it), else, where the ranks' `facts` differ, differ([facts of rank 0, ...]), else
+    None. One process: its own refusal."""
+    if meshes is None or dist.get_world_size() == 1:
+        return refusal
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (refusal, facts))
+    refused = [(r, said) for r, (said, _) in enumerate(views) if said is not None]
+    if refused:
+        r, said = refused[0]
+        return said if all(other == said for other, _ in views) else f"rank {r}: {said}"
+    facts = [f for _, f in views]
+    return differ(facts) if len(set(facts)) > 1 else None
+
+
 def _pp_knobs(err: ValueError) -> str:
     """A pipeline error in the knobs' words: the stage sizes Pipeline calls layers_per_stage are --pp_layers."""
     return str(err).replace("layers_per_stage", "--pp_layers")
@@ -455,6 +472,7 @@ def main(argv: list[str]) -> None:
     # the vocabulary of token files without an index: the model's where it is given (--model.vocab_size, or a released or
     # upcycled model's own); a prepared file's index gives its own (the default 258 is byte data's, not a token file's)
     given_vocab = bool(cfg.data) and (hf_type is not None or bool(cfg.upcycle_from) or "vocab_size" in cfg.model_overrides)
+    refusal, val_batches, val_sources = None, [], []
     try:  # one source or a weighted blend; each micro-batch comes from one source, in the weights' proportions
         corpus = load_blend(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
                             vocab_size=cfg.model.vocab_size if given_vocab else None, dtype=cfg.data_dtype or None)
@@ -467,16 +485,22 @@ def main(argv: list[str]) -> None:
         # vocab_size: required"), not where it speaks of a vocabulary ("byte tokens (vocab_size 258)", which no knob mends)
         flags = [flag for word, flag in (("separator", "--separator=ID"), ("vocab_size", "--model.vocab_size=V"),
                                          ("dtype", "--data_dtype=uint16|uint32")) if re.search(rf"\b{word}[,:]", message)]
-        sys.exit(message + (f" (on this command line: {', '.join(flags)})" if flags else ""))
-    val_batches, val_sources = [], []
+        refusal = message + (f" (on this command line: {', '.join(flags)})" if flags else "")
     try:
-        if val_set is not None:
+        if refusal is None and val_set is not None:
             val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth,
                                                      whole_documents=cfg.whole_documents)
             val_sources = val_set.validation_sources(cfg.eval_batches)  # the source of each validation batch
     except ValueError as err:
-        sys.exit(f"--eval_batches={cfg.eval_batches}: the validation split ({cfg.val_percent}% of the documents) is too small "
-                 f"({err}); lower --eval_batches (0: no validation) or raise --val_percent")
+        refusal = (f"--eval_batches={cfg.eval_batches}: the validation split ({cfg.val_percent}% of the documents) is too small "
+                   f"({err}); lower --eval_batches (0: no validation) or raise --val_percent")
+    # each rank read the data itself: a file one node lacks (or holds another copy of) stops every rank, said once
+    data = None if refusal else (len(train_set), train_set.n_tokens, *((len(val_set), val_set.n_tokens) if val_set is not None else ()))
+    if refusal := _every_rank(meshes, refusal, data, lambda every: "--data: the ranks read different data (" + "; ".join(
+            f"rank {r}: {d[0]} documents, {d[1]:,} tokens" + (f" + {d[2]} documents, {d[3]:,} tokens for validation" if len(d) > 2 else "")
+            for r, d in enumerate(every)) + "); each rank reads the files itself: every node must hold the same ones (a stale copy "
+            "on one node, or files still being written?)"):
+        sys.exit(refusal)
 
     # a released model keeps its vocabulary (the data must be tokenized with its tokenizer)
     released = hf_type is not None or bool(cfg.upcycle_from) and fmoe.hf.is_hf_folder(cfg.upcycle_from)

@@ -271,6 +271,28 @@ def test_a_checkpoint_whose_ranks_disagree_stops_every_rank_with_one_message(tmp
         (step3 / "extra_rank1.pt").write_bytes(b"not a checkpoint")
 
 
+def test_ranks_that_read_different_data_stop_with_one_message(tmp_path):
+    """Each rank reads the data itself: rank 1 one text file short (one_rank_short.py) stops
+    both ranks at start, saying what each read (before, the run trained on, each rank on its
+    own documents, without a word)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"doc{i}.txt").write_text(f"document {i}: " + "some text to train on. " * (20 + i))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_short.py"),
+                          f"--out_dir={tmp_path / 'run'}", *TINY, f"--data={data}", "--eval_batches=0"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said = ("--data: the ranks read different data (rank 0: 6 documents, 3,183 tokens; rank 1: 5 documents, 2,595 tokens); each rank "
+            "reads the files itself: every node must hold the same ones")
+    assert run.returncode != 0 and said in run.stderr, run.stdout[-2000:] + run.stderr[-4000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    for i in range(1, 6):  # one file: rank 1 finds none, and refuses alone; rank 0 says it (before, rank 1 did, a minute later)
+        (data / f"doc{i}.txt").unlink()
+    run = subprocess.run(run.args, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said = f"rank 1: data: source 'data' ({data}): path: no non-empty files under '{data}'"
+    assert run.returncode != 0 and said in run.stderr, run.stdout[-2000:] + run.stderr[-4000:]
+
+
 def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
     """Saved at pp = 2, resumed on one process; saved on one process, resumed at pp = 2."""
     first = _train(tmp_path / "pp", 2, "--pp=2", "--stop_at=3")
