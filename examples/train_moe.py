@@ -44,6 +44,7 @@ and backward reads a device value on the host.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import inspect
 import math
@@ -163,6 +164,8 @@ class Config:
     pp_schedule: str = "1f1b"       # gpipe | 1f1b | interleaved_1f1b | looped_bfs (torch.distributed.pipelining)
     pp_virtual: int = 1             # stages per rank: 1 (gpipe, 1f1b), >= 2 (interleaved_1f1b, looped_bfs)
     pp_layers: str = ""             # trunk layers per stage, e.g. "3,2,2,1" ("": an even split)
+    collective_timeout: float = 0.0  # minutes a rank waits in a collective for its peers (a stalled or lost rank) before
+                                    # the run fails; 0: torch's default (10 for nccl, 30 for gloo); raise it for long compiles
 
 
 def _type_name(kind) -> str:
@@ -419,6 +422,8 @@ def main(argv: list[str]) -> None:
                                      start=STARTED)
     except ValueError as err:
         sys.exit(f"--stop_{'signals' if str(err).startswith('signals') else 'after_minutes'}: {err}")
+    if cfg.collective_timeout < 0:  # finite: the parser takes no nan or inf
+        sys.exit(f"--collective_timeout: expected minutes >= 0 (0: torch's default), got {cfg.collective_timeout}")
     # a process group set up by the caller (several runs in one launch, main called for each) is used and left up
     caller_group = dist.is_initialized()
     world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))
@@ -464,7 +469,8 @@ def main(argv: list[str]) -> None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         if not caller_group:  # torchrun's ranks, or one process in a group of its own
-            dist.init_process_group(backend, **({} if world > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)))
+            dist.init_process_group(backend, **({} if world > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)),
+                                    **({"timeout": datetime.timedelta(minutes=cfg.collective_timeout)} if cfg.collective_timeout else {}))
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     torch.manual_seed(cfg.seed)

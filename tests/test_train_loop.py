@@ -436,6 +436,7 @@ BAD_KNOBS = [
                                                         "--init_from_hf start from others: give one"),
     (["--upcycle_drop=0.5"], "--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got 0.5 without it"),
     (["--upcycle_from=/x", "--upcycle_drop=1.5"], "--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got 1.5"),
+    (["--collective_timeout=-1"], "--collective_timeout: expected minutes >= 0 (0: torch's default), got -1.0"),
     (["--stop_after_minutes=-5"], "--stop_after_minutes: minutes: expected a time limit in minutes >= 0 (0: none), got -5.0"),
     (["--profile=3:2"], "--profile: expected START:END steps with 1 <= START <= END (or one step N), got '3:2'"),
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),

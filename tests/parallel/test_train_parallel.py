@@ -3,6 +3,7 @@ same model and log the same losses as one process; a checkpoint saved on 4 ranks
 and its weights start a new run (--init_from) on another mesh. The knobs' runs of one world
 size share one launch (train_runs.py), and so do their one-process references."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -302,6 +303,43 @@ def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
     _assert_same(_train(tmp_path / "one", 2, "--pp=2", "--resume=True"), reference())
 
 
+def _ranks_in_the_loop(run, metrics) -> dict:
+    """{rank: pid} of a torchrun launch's processes, once every rank is in the loop (rank 0
+    logs a step after its collectives)."""
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = {}
+    for pid in pathlib.Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split():
+        env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        ranks[next(int(v[5:]) for v in env if v.startswith(b"RANK="))] = int(pid)
+    return ranks
+
+
+def test_a_stalled_rank_fails_the_run_after_the_collective_timeout(tmp_path):
+    """--collective_timeout=0.1 (6 s): rank 1 stopped (SIGSTOP) in the loop, rank 0 fails in
+    its next collective after the timeout rather than torch's default 30 minutes (torchrun
+    then kills the stopped rank 30 s after its SIGTERM)."""
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=100000",
+                            "--collective_timeout=0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = {}
+    try:
+        ranks = _ranks_in_the_loop(run, tmp_path / "metrics.jsonl")
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = run.communicate(timeout=240)
+        took = time.monotonic() - stopped
+    finally:
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.kill()
+    assert sorted(ranks) == [0, 1] and run.returncode != 0, out[-2000:] + err[-4000:]
+    assert took < 200, took
+
+
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """SIGTERM to rank 1 alone (rank 0 never gets it): the ranks agree through the step's
     sums, both stop after the same step, write its checkpoint together and exit 0; one
@@ -310,13 +348,8 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
                             str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 300
-        while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)  # every rank is in the loop: rank 0 logs after the step's collectives
-        ranks = {}
-        for pid in pathlib.Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split():
-            env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            ranks[next(int(v[5:]) for v in env if v.startswith(b"RANK="))] = int(pid)
+        metrics = tmp_path / "metrics.jsonl"
+        ranks = _ranks_in_the_loop(run, metrics)
         os.kill(ranks[1], signal.SIGTERM)
         out, err = run.communicate(timeout=300)
     finally:
