@@ -70,7 +70,7 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import StopRequests, nearest, run_script, set_deterministic, write_config
+from fmoe.train.run import StopRequests, every_rank, nearest, run_script, set_deterministic, write_config
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -226,23 +226,6 @@ def knob_help() -> str:
     lines += [f"  --model.{n}=<{_type_name(kind).split(' ', 1)[1]}>  (default {getattr(defaults.model, n)!r})"
               for n, kind in typing.get_type_hints(TransformerConfig).items()]
     return "\n".join(lines)
-
-
-def _every_rank(meshes, refusal: typing.Optional[str], facts, differ: typing.Callable[[list], str]) -> typing.Optional[str]:
-    """What every rank says about a thing each read itself (one all_gather_object): the
-    refusal of the first rank that made one (prefixed with its rank where not every rank
-    made it), else, where the ranks' `facts` differ, differ([facts of rank 0, ...]), else
-    None. One process: its own refusal."""
-    if meshes is None or dist.get_world_size() == 1:
-        return refusal
-    views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (refusal, facts))
-    refused = [(r, said) for r, (said, _) in enumerate(views) if said is not None]
-    if refused:
-        r, said = refused[0]
-        return said if all(other == said for other, _ in views) else f"rank {r}: {said}"
-    facts = [f for _, f in views]
-    return differ(facts) if len(set(facts)) > 1 else None
 
 
 def _pp_knobs(err: ValueError) -> str:
@@ -502,10 +485,13 @@ def main(argv: list[str]) -> None:
                    f"({err}); lower --eval_batches (0: no validation) or raise --val_percent")
     # each rank read the data itself: a file one node lacks (or holds another copy of) stops every rank, said once
     data = None if refusal else (len(train_set), train_set.n_tokens, *((len(val_set), val_set.n_tokens) if val_set is not None else ()))
-    if refusal := _every_rank(meshes, refusal, data, lambda every: "--data: the ranks read different data (" + "; ".join(
+    refusal, every = every_rank(refusal, data)
+    if refusal is None and len(set(every)) > 1:
+        refusal = ("--data: the ranks read different data (" + "; ".join(
             f"rank {r}: {d[0]} documents, {d[1]:,} tokens" + (f" + {d[2]} documents, {d[3]:,} tokens for validation" if len(d) > 2 else "")
             for r, d in enumerate(every)) + "); each rank reads the files itself: every node must hold the same ones (a stale copy "
-            "on one node, or files still being written?)"):
+            "on one node, or files still being written?)")
+    if refusal:
         sys.exit(refusal)
 
     # a released model keeps its vocabulary (the data must be tokenized with its tokenizer)

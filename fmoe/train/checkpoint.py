@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fmoe.model import Transformer, TransformerConfig
+from fmoe.train.run import every_rank
 
 _NAME = re.compile(r"step_(\d+)")
 
@@ -567,9 +568,13 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     except Exception as err:
         error = (f"path: {str(path)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
                  f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?")
-    error = _agreed_extras(path, error, extra)
+    # each rank read its own: one failing alone would leave the others waiting in the load's collectives
+    error, steps = every_rank(error, extra.get("step") if isinstance(extra, Mapping) else None)
     if error is not None:
         raise ValueError(error)
+    if len(set(steps)) > 1:
+        raise ValueError(f"path: {str(path)!r}: the ranks' extra files are of different steps ("
+                         + ", ".join(f"rank {rank}: {step}" for rank, step in enumerate(steps)) + "); a checkpoint put together from several saves?")
     optimizers = _optimizers(optimizers)
     models = _models(model)
     pairs = _pairs(models, optimizers)
@@ -594,26 +599,6 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     if (path / _FRESH).is_file():  # an older checkpoint, with the lr-0 step's state: by place in the list, as it saved them
         _empty([optimizers[i] for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
     return extra
-
-
-def _agreed_extras(path: Path, error: Optional[str], extra) -> Optional[str]:
-    """Under several processes, the same answer on every rank (one all_gather_object) to
-    whether every rank's extra file was read (the first failing rank's error, else None)
-    and is of one step: each rank reads its own, and a rank that stopped alone left the
-    others waiting in the load's collectives."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
-    step = extra.get("step") if isinstance(extra, Mapping) else None
-    views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (error, step))
-    failed = [(rank, e) for rank, (e, _) in enumerate(views) if e is not None]
-    if failed:
-        return failed[0][1] if failed[0][0] == 0 else f"rank {failed[0][0]}: {failed[0][1]}"
-    if len({s for _, s in views}) > 1:
-        steps = ", ".join(f"rank {rank}: {s}" for rank, (_, s) in enumerate(views))
-        return (f"path: {str(path)!r}: the ranks' extra files are of different steps ({steps}); a checkpoint put together from "
-                "several saves?")
-    return None
 
 
 def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[Path]:

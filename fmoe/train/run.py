@@ -5,6 +5,7 @@
     write_config(out_dir, config, **extra) -> Path   <out_dir>/config.json
     with StopRequests(signals, minutes) as stop: ... stop.reason()   a signal or a time limit
     run_script(main, argv)               a script's main(argv): under torchrun, a refusal said once
+    every_rank(refusal, facts) -> (refusal, [facts of each rank])   what each rank found reading its own files
     ArgumentParser(...)                  argparse's, its errors a SystemExit(message), as run_script expects
     nearest(name, names) -> list[str]    the names a mistyped one may have meant, for "did you mean"
 
@@ -280,6 +281,26 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
             raise
         time.sleep(wait)
         raise SystemExit(1) from None
+
+
+def every_rank(refusal: Optional[str], facts=None) -> tuple[Optional[str], list]:
+    """What the ranks found about something each read itself (its data files, its own
+    checkpoint file), in one all_gather_object over the default group, called by every rank:
+    (the refusal of the first rank that made one, as "rank r: ..." where the ranks' refusals
+    differ, else None; [facts of rank 0, rank 1, ...]). The same on every rank: a refusal
+    raised by one rank alone left the others waiting in their next collective. One process
+    (no group): (refusal, [facts])."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return refusal, [facts]
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (refusal, facts))
+    refused = [(rank, said) for rank, (said, _) in enumerate(views) if said is not None]
+    if refused:
+        rank, said = refused[0]
+        refusal = said if all(other == said for other, _ in views) else f"rank {rank}: {said}"
+    return refusal, [f for _, f in views]
 
 
 def _finite(x) -> bool:

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import fmoe.train.run
-from fmoe.train.run import ArgumentParser, StopRequests, nearest, run_script
+from fmoe.train.run import ArgumentParser, StopRequests, every_rank, nearest, run_script
 
 
 def _handlers():
@@ -201,6 +201,13 @@ def test_without_a_reachable_store_a_rank_holds_back_for_the_wait(monkeypatch, l
         monkeypatch.setenv("MASTER_PORT", str(unused.getsockname()[1]))
     code, took = _timed(_refuse, ["lr"], wait=0.5)
     assert code == "--lr: expected a number" and took >= 0.5, took
+
+
+def test_every_rank_of_one_process_is_its_own():
+    """every_rank without a process group: this process's refusal and facts (the ranks'
+    agreement is tests/parallel/test_train_parallel.py's: data and checkpoint files)."""
+    assert every_rank(None, (3, 10)) == (None, [(3, 10)])
+    assert every_rank("data: none", None) == ("data: none", [None])
 
 
 def test_argument_parser_errors_are_system_exits_with_the_message():
