@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -66,7 +67,7 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
 from fmoe.train.data import Blend  # noqa: E402
-from fmoe.train.run import ArgumentParser, run_script  # noqa: E402
+from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_script  # noqa: E402
 
 
 @torch.no_grad()
@@ -347,7 +348,7 @@ def main(argv: list[str]) -> None:
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--", "path:")) else f"path: {err}")
+        sys.exit(str(err) if str(err).startswith(("parallel knobs", "rank ", "--", "path:")) else f"path: {err}")
     loop = run.get("config", {})
     tokens = args.tokens_per_micro_batch if args.tokens_per_micro_batch is not None else loop.get("tokens_per_micro_batch", 2048)
     if args.choices is not None:
@@ -355,6 +356,7 @@ def main(argv: list[str]) -> None:
     args.split = args.split or "val"
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
+    refusal = None
     try:
         separator = args.separator if args.separator is not None else loop.get("separator", -1) if same_data else -1
         data_dtype = args.data_dtype or ((loop.get("data_dtype") or None) if same_data else None)
@@ -379,7 +381,15 @@ def main(argv: list[str]) -> None:
             tokens=tokens, n_batches=n_batches, mtp_depth=model.cfg.mtp_depth,
             whole_documents=args.whole_documents if args.whole_documents is not None else loop.get("whole_documents", False))
     except (OSError, ValueError) as err:
-        sys.exit(str(err) if str(err).startswith("data:") else f"data: {err}")  # load_blend's errors name the data already
+        refusal = str(err) if str(err).startswith("data:") else f"data: {err}"  # load_blend's errors name the data already
+    # each rank read the data itself: a file one node lacks (or holds another copy of) stops every rank, said once
+    refusal, every = every_rank(refusal, None if refusal else (len(corpus), corpus.n_tokens, len(batches)))
+    if refusal is None and len(set(every)) > 1:
+        refusal = ("--data: the ranks read different data (" + "; ".join(f"rank {r}: {d[0]} documents, {d[1]:,} tokens, {d[2]} micro-batches"
+                                                                        for r, d in enumerate(every))
+                   + "); each rank reads the files itself: every node must hold the same ones")
+    if refusal:
+        sys.exit(refusal)
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
         result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if not result["tokens"]:  # no loss to report: 0 would read as a perfect model
@@ -402,10 +412,17 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
     object with --json."""
     try:
         encode, _, _ = text_codec(args.path, model, run)
-        questions = read_choices(args.choices, encode, limit=args.questions)
-        for q in questions:
-            if max(max(q["context"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:
-                raise ValueError(f"{args.choices}: token ids beyond the model's vocab_size {model.cfg.vocab_size}")
+        error, questions = None, []
+        try:
+            questions = read_choices(args.choices, encode, limit=args.questions)
+            for q in questions:
+                if max(max(q["context"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:
+                    raise ValueError(f"{args.choices}: token ids beyond the model's vocab_size {model.cfg.vocab_size}")
+        except (OSError, ValueError) as err:
+            error = err
+        # each rank read the file itself: every rank scores the same pairs, or none does
+        if len(set(raise_together(error, hashlib.sha256(json.dumps(questions).encode()).hexdigest()))) > 1:
+            raise ValueError(f"{args.choices}: the ranks read different questions from it; every node must hold the same file")
         pairs = [(q["context"], c) for q in questions for c in q["choices"]]
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             logprobs, cut = choice_logprobs(model, pairs, tokens=tokens, device=device, meshes=meshes)

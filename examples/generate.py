@@ -68,7 +68,7 @@ from fmoe.model import Transformer
 from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
-from fmoe.train.run import ArgumentParser, run_path, run_script
+from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_path, run_script
 
 
 def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, dict]:
@@ -83,6 +83,11 @@ def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.fl
     return model.to(device=device, dtype=dtype), run
 
 
+def _said(err: BaseException) -> str:
+    """A loading error as the script says it: its own words where they name the knob or path."""
+    return str(err) if str(err).startswith(("parallel knobs", "rank ", "--chat", "--prompt_ids", "chat_template", "path:")) else f"path: {err}"
+
+
 def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
     """(model, run config, meshes): load_model's model and run config for a model larger than
     one device (after start_ranks). The meshes are fmoe.parallel.build_meshes(**sizes) (tp,
@@ -94,11 +99,17 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
     import fmoe.hf
     from fmoe.train import checkpoint
 
-    if is_hf_folder(path):
-        hf, cfg = fmoe.hf.read_config(path)
-        cfg, run = dataclasses.replace(cfg, impl=impl, mtp_depth=0), {}
-    else:
-        cfg, run = run_config(path, impl=impl)
+    cfg, error = None, None
+    try:
+        if is_hf_folder(path):
+            hf, cfg = fmoe.hf.read_config(path)
+            cfg, run = dataclasses.replace(cfg, impl=impl, mtp_depth=0), {}
+        else:
+            cfg, run = run_config(path, impl=impl)
+    except (OSError, ValueError, KeyError) as err:
+        error = err
+    if len(set(raise_together(error, None if cfg is None else repr(cfg)))) > 1:  # each rank read its own: agreed before the meshes
+        raise ValueError(f"path: the ranks read different model configs from {str(path)!r}: every node must hold the same files")
     meshes = parallel.build_meshes(**sizes, has_experts=any(cfg.is_moe(i) for i in range(cfg.n_layers)), device_type=device.type)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -108,9 +119,14 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
         raise ValueError(f"{_knobs(sizes)}: {err}") from None
     parallel.materialize(model, device, seed=0)  # what the weights do not hold (an HF folder's expert biases) starts as from_pretrained's
     if run:
-        checkpoint.load_model(path, model=model)
+        checkpoint.load_model(path, model=model)  # the ranks agree on what they read there
     else:
-        fmoe.hf.load_weights(model, path, model_type=hf["model_type"])
+        error = None
+        try:
+            fmoe.hf.load_weights(model, path, model_type=hf["model_type"])
+        except (OSError, ValueError, KeyError) as err:
+            error = err
+        raise_together(error)
         model.hf_config = hf
     return model, run, meshes
 
@@ -430,8 +446,12 @@ def main(argv: list[str]) -> None:
             model, run = load_model(args.path, dtype=dtype, device=device)
         else:
             model, run, _ = load_sharded(args.path, sizes, device=device, dtype=dtype, impl="torch")
+    except (OSError, ValueError, KeyError) as err:
+        sys.exit(_said(err))
+    refusal, prompt, stops, chat = None, [], [], None
+    try:
         encode, decode, eos = text_codec(args.path, model, run)
-        stops, chat = stop_ids(args.path, run, eos), None
+        stops = stop_ids(args.path, run, eos)
         if args.chat:
             tokenizer = tokenizer_file(args.path, run)
             if tokenizer is None:
@@ -441,17 +461,24 @@ def main(argv: list[str]) -> None:
                                             variables=args.chat_template_kwargs)
             end_ids = encode(end_of_turn, special=False) if run and end_of_turn else []
             stops += end_ids if len(end_ids) == 1 and end_ids[0] not in stops else []  # a run: the template's end of turn too
+        if chat is not None:
+            prompt = encode(chat, special=False)  # the template writes the BOS itself, as apply_chat_template's tokenize
+        elif args.prompt_ids:
+            prompt = [int(t) for t in args.prompt_ids.split(",")]
+        elif encode is not None:
+            prompt = encode(args.prompt) or [eos if eos is not None else 0]
+        else:
+            raise ValueError("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run whose data's "
+                             "index names no tokenizer that is here); give token ids")
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template", "path:")) else f"path: {err}")
-    if chat is not None:
-        prompt = encode(chat, special=False)  # the template writes the BOS itself, as apply_chat_template's tokenize
-    elif args.prompt_ids:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
-    elif encode is not None:
-        prompt = encode(args.prompt) or [eos if eos is not None else 0]
-    else:
-        sys.exit("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run whose data's index "
-                 "names no tokenizer that is here); give token ids")
+        refusal = _said(err)
+    # each rank read the tokenizer, chat template and generation config itself: the ranks decode one prompt to the same stops
+    refusal, every = every_rank(refusal, None if refusal else (tuple(prompt), tuple(sorted(stops))))
+    if refusal is None and len(set(every)) > 1:
+        refusal = ("--prompt: the ranks made different prompt ids or end-of-text ids from their files (tokenizer, chat template, "
+                   "generation_config.json); every node must hold the same ones")
+    if refusal is not None:
+        sys.exit(refusal)
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")

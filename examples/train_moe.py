@@ -614,7 +614,11 @@ def main(argv: list[str]) -> None:
 
     step, tokens_seen = 0, 0
     # a resumed run: rank 0 removes the .tmp folders of saves a stop interrupted (no save is in flight yet)
-    if cfg.resume and (path := checkpoint.latest(cfg.out_dir, delete_partial=rank == 0)):
+    path = checkpoint.latest(cfg.out_dir, delete_partial=rank == 0) if cfg.resume else None
+    if cfg.resume and len(set(found := every_rank(None, None if path is None else str(path))[1])) > 1:  # each rank listed out_dir
+        sys.exit(f"--resume: the ranks found different newest checkpoints in {cfg.out_dir} ("
+                 + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files")
+    if path:
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:
             changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}

@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.train.run import every_rank
+from fmoe.train.run import raise_together
 
 _NAME = re.compile(r"step_(\d+)")
 
@@ -439,6 +439,42 @@ def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) ->
                          "the saving run's (another kind, or other settings); load with the kind it saved, or load_model for the weights alone")
 
 
+def _read_agreed(path, *, extra: bool) -> tuple[Path, Mapping, Optional[dict]]:
+    """(checkpoint directory, its metadata (_stored), this rank's extra dict or None) of
+    `path` (a checkpoint, or a run's out_dir: its newest), read by each rank itself and then
+    agreed by every rank of the default group (fmoe.train.run.raise_together) before any
+    collective: a file one rank cannot read, another newest checkpoint found by one rank (a
+    save landing between two ranks' listings, a node's stale copy), or extras of different
+    steps raise the same error on every rank. Alone, a rank's error left the others waiting
+    in the load's collectives, and ranks that found different checkpoints each read their own."""
+    found, stored, error, extra_dict = None, None, None, None
+    try:
+        found = _checkpoint_or_newest(path)  # a run's out_dir was "not a complete checkpoint", though load_model took it
+        stored = _stored(found)
+        if extra:
+            extra_file = found / f"extra_rank{_rank()}.pt"
+            if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (load's docstring)
+                extra_file = found / "extra_rank0.pt"
+            if not extra_file.is_file():
+                raise FileNotFoundError(f"path: {str(found)!r} has no extra_rank0.pt (not a checkpoint of fmoe.train.checkpoint?)")
+            try:  # read first: a damaged file stops the load before the model and optimizers are overwritten
+                extra_dict = torch.load(extra_file, weights_only=False)
+            except Exception as err:
+                raise ValueError(f"path: {str(found)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
+                                 f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?") from None
+    except (FileNotFoundError, ValueError) as err:
+        error = err
+    step = extra_dict.get("step") if isinstance(extra_dict, Mapping) else None
+    every = raise_together(error, None if error is not None else (str(found), step))
+    if len({p for p, _ in every}) > 1:
+        raise ValueError("path: the ranks found different checkpoints (" + ", ".join(f"rank {rank}: {p}" for rank, (p, _) in enumerate(every))
+                         + "); every rank must see the same files: name one checkpoint directory")
+    if len({s for _, s in every}) > 1:
+        raise ValueError(f"path: {str(found)!r}: the ranks' extra files are of different steps ("
+                         + ", ".join(f"rank {rank}: {s}" for rank, (_, s) in enumerate(every)) + "); a checkpoint put together from several saves?")
+    return found, stored, extra_dict
+
+
 def load_model(path, *, model: torch.nn.Module) -> Path:
     """Restore only the model's weights and buffers (the expert biases) from a checkpoint, to
     start a new run from them (fine-tuning, continued pre-training): the optimizer state and
@@ -449,13 +485,14 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     reshards the saved DTensors onto this model's (other ranks, FSDP / TP / EP sizes). The
     model must have the saved one's parameter names and shapes (pipeline chunks: the whole
     model of their config): a ValueError names those it lacks, holds in another shape or
-    holds and the saved model does not, before any is read.
+    holds and the saved model does not, before any is read. Under several processes, every
+    rank calls it, and the ranks agree on what they read as load's do.
     """
-    path = _checkpoint_or_newest(path)
+    path, stored, _ = _read_agreed(path, extra=False)
     models = _models(model)
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
-    _check_model_shapes(path, _stored(path), state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
+    _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
     _dcp_load(state, path)
     for m, part in zip(models, parts):
         set_model_state_dict(m, {k: state["model"][k] for k in part})
@@ -546,8 +583,9 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     checkpoint holds no optimizer state for (no gradient before the save: AdamW and Muon keep
     none) are left without state, as they were then, and so are the optimizers the checkpoint
     saved before their first step. Under several processes, every rank (of the default
-    group) calls it: an extra file that one rank cannot read, or extras of different steps,
-    raise the same ValueError on every rank, before the model's collectives.
+    group) calls it: a file that one rank cannot read, another newest checkpoint found by
+    one rank, or extras of different steps raise the same error on every rank, before the
+    model's collectives.
 
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
@@ -556,30 +594,11 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     chunks: the whole model of their config), or optimizers whose state entries the
     checkpoint lacks (another kind or set-up; a parameter with some of its entries saved): a
     ValueError naming them, before anything is read."""
-    path = _checkpoint_or_newest(path)  # a run's out_dir was "not a complete checkpoint", though load_model took it
-    extra_file = path / f"extra_rank{_rank()}.pt"
-    if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
-        extra_file = path / "extra_rank0.pt"
-    if not extra_file.is_file():
-        raise FileNotFoundError(f"path: {str(path)!r} has no extra_rank0.pt (not a checkpoint of fmoe.train.checkpoint?)")
-    extra, error = None, None
-    try:  # read first: a damaged file stops the load before the model and optimizers are overwritten
-        extra = torch.load(extra_file, weights_only=False)
-    except Exception as err:
-        error = (f"path: {str(path)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
-                 f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?")
-    # each rank read its own: one failing alone would leave the others waiting in the load's collectives
-    error, steps = every_rank(error, extra.get("step") if isinstance(extra, Mapping) else None)
-    if error is not None:
-        raise ValueError(error)
-    if len(set(steps)) > 1:
-        raise ValueError(f"path: {str(path)!r}: the ranks' extra files are of different steps ("
-                         + ", ".join(f"rank {rank}: {step}" for rank, step in enumerate(steps)) + "); a checkpoint put together from several saves?")
+    path, stored, extra = _read_agreed(path, extra=True)
     optimizers = _optimizers(optimizers)
     models = _models(model)
     pairs = _pairs(models, optimizers)
     state, parts = _state(pairs)
-    stored = _stored(path)  # read once for both checks
     _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
     names = _parameter_names(models)
     unsaved = _unsaved_state(stored, state["optim"], names)

@@ -6,6 +6,7 @@
     with StopRequests(signals, minutes) as stop: ... stop.reason()   a signal or a time limit
     run_script(main, argv)               a script's main(argv): under torchrun, a refusal said once
     every_rank(refusal, facts) -> (refusal, [facts of each rank])   what each rank found reading its own files
+    raise_together(error, facts) -> [facts of each rank]   the same, an exception raised on every rank
     ArgumentParser(...)                  argparse's, its errors a SystemExit(message), as run_script expects
     nearest(name, names) -> list[str]    the names a mistyped one may have meant, for "did you mean"
 
@@ -301,6 +302,18 @@ def every_rank(refusal: Optional[str], facts=None) -> tuple[Optional[str], list]
         rank, said = refused[0]
         refusal = said if all(other == said for other, _ in views) else f"rank {rank}: {said}"
     return refusal, [f for _, f in views]
+
+
+def raise_together(error: Optional[BaseException], facts=None) -> list:
+    """every_rank for an exception a rank caught (None where it read well): `error` raised
+    on every rank where any rank has one (another rank's refusal as a ValueError of its
+    text, "rank r: ..."), else [facts of rank 0, rank 1, ...]. Every rank calls it."""
+    refusal, every = every_rank(None if error is None else str(error), facts)
+    if refusal is not None:
+        if error is not None and str(error) == refusal:
+            raise error
+        raise ValueError(refusal)
+    return every
 
 
 def _finite(x) -> bool:

@@ -253,14 +253,18 @@ def test_checkpoint_of_cp2_resumes_on_one_process(reference, tmp_path):
 
 
 def test_a_checkpoint_whose_ranks_disagree_stops_every_rank_with_one_message(tmp_path):
-    """Each rank reads its own extra file: one that cannot be read on rank 1 alone, or one of
-    another step (a folder put together from two saves), stops both ranks before the load's
-    collectives, rank 0 saying what rank 1 found (before, rank 1 alone refused, after a
-    minute, while rank 0 waited in the load; the mixed steps trained on)."""
+    """Each rank lists out_dir and reads its own extra file: another newest checkpoint on rank
+    1, an extra file that cannot be read on rank 1 alone, or one of another step (a folder
+    put together from two saves), stops both ranks before the load's collectives, rank 0
+    saying what rank 1 found (before, rank 1 alone refused, after a minute, while rank 0
+    waited in the load; the mixed steps trained on)."""
     _train(tmp_path, 2, "--stop_at=2")
     _train(tmp_path, 2, "--resume", "--stop_at=3")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "examples" / "train_moe.py"),
               f"--out_dir={tmp_path}", *TINY, "--resume"]
+    done = _one_rank_fault("older_checkpoint", "train_moe", f"--out_dir={tmp_path}", *TINY, "--resume")  # step 3 not there on rank 1
+    said = f"--resume: the ranks found different newest checkpoints in {tmp_path} (rank 0: step_000003, rank 1: step_000002)"
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
     step3 = tmp_path / "step_000003"
     shutil.copy(tmp_path / "step_000002" / "extra_rank1.pt", step3 / "extra_rank1.pt")
     for said in (f"--resume: path: '{step3}': the ranks' extra files are of different steps (rank 0: 3, rank 1: 2); a checkpoint "
@@ -273,15 +277,15 @@ def test_a_checkpoint_whose_ranks_disagree_stops_every_rank_with_one_message(tmp
 
 
 def test_ranks_that_read_different_data_stop_with_one_message(tmp_path):
-    """Each rank reads the data itself: rank 1 one text file short (one_rank_short.py) stops
+    """Each rank reads the data itself: rank 1 one text file short (one_rank_fault.py) stops
     both ranks at start, saying what each read (before, the run trained on, each rank on its
     own documents, without a word)."""
     data = tmp_path / "data"
     data.mkdir()
     for i in range(6):
         (data / f"doc{i}.txt").write_text(f"document {i}: " + "some text to train on. " * (20 + i))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_short.py"),
-                          f"--out_dir={tmp_path / 'run'}", *TINY, f"--data={data}", "--eval_batches=0"],
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_fault.py"),
+                          "short_data", "train_moe", f"--out_dir={tmp_path / 'run'}", *TINY, f"--data={data}", "--eval_batches=0"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     said = ("--data: the ranks read different data (rank 0: 6 documents, 3,183 tokens; rank 1: 5 documents, 2,595 tokens); each rank "
             "reads the files itself: every node must hold the same ones")
@@ -292,6 +296,51 @@ def test_ranks_that_read_different_data_stop_with_one_message(tmp_path):
     run = subprocess.run(run.args, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     said = f"rank 1: data: source 'data' ({data}): path: no non-empty files under '{data}'"
     assert run.returncode != 0 and said in run.stderr, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def _one_rank_fault(fault, script, *args, other_path=""):
+    """examples/<script>.py on 2 ranks, rank 1 with `fault` (one_rank_fault.py): the completed process."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_fault.py"),
+                           fault, script, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "FMOE_TEST_OTHER_PATH": other_path})
+
+
+def test_evaluate_and_generate_stop_where_a_rank_reads_other_files(tmp_path):
+    """evaluate.py and generate.py on 2 ranks, rank 1 seeing its files otherwise (a node's
+    copy): every rank stops with one message, said by rank 0. Before, ranks that found
+    different newest checkpoints each loaded their own (a model half of each, silently), a
+    run folder without its config.json on rank 1 held rank 1's message a minute while rank 0
+    waited in a collective, other questions or data were scored, mixed, without a word, and
+    ranks whose prompts or end-of-text ids differed (a tokenizer, chat template or
+    generation_config.json of their own) aborted in a collective or hung after the output."""
+    run = tmp_path / "run"
+    _train(run, 1, "--stop_at=2")
+    _train(run, 1, "--resume", "--stop_at=3")
+    elsewhere = tmp_path / "elsewhere"  # rank 1's copy of the run folder: no config.json
+    shutil.copytree(run / "step_000003", elsewhere / "step_000003")
+    questions = [{"context_ids": [5, 6, 7], "choices_ids": [[8], [9, 10]], "answer": 1}] * 2
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "q1.jsonl").write_text("".join(json.dumps(dict(q, answer=0)) + "\n" for q in questions))
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        (data / f"doc{i}.txt").write_text(f"document {i}: " + "some text to evaluate on. " * 40)
+    cases = [
+        (("older_checkpoint", "evaluate", str(run), "--json"), "",
+         f"path: the ranks found different checkpoints (rank 0: {run / 'step_000003'}, rank 1: {run / 'step_000002'}); every rank "
+         "must see the same files: name one checkpoint directory"),
+        (("other_path", "generate", str(run), "--prompt_ids=1,2", "--tokens=2"), f"{run}=>{elsewhere}",
+         f"rank 1: path: '{elsewhere}' is neither an fmoe run directory"),
+        (("other_path", "generate", str(run), "--prompt_ids=1,2", "--tokens=2"), "--prompt_ids=1,2=>--prompt_ids=1,3",
+         "--prompt: the ranks made different prompt ids or end-of-text ids from their files"),
+        (("other_path", "evaluate", str(run), f"--choices={tmp_path / 'q.jsonl'}"), "q.jsonl=>q1.jsonl",
+         f"--choices: {tmp_path / 'q.jsonl'}: the ranks read different questions from it; every node must hold the same file"),
+        (("short_data", "evaluate", str(run), f"--data={data}", "--split=all", "--batches=2", "--tokens_per_micro_batch=96"), "",
+         "--data: the ranks read different data (rank 0: 4 documents, "),
+    ]
+    for args, other_path, said in cases:
+        done = _one_rank_fault(*args, other_path=other_path)
+        assert done.returncode != 0 and said in done.stderr, (args, done.stdout[-2000:] + done.stderr[-4000:])
 
 
 def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import fmoe.train.run
-from fmoe.train.run import ArgumentParser, StopRequests, every_rank, nearest, run_script
+from fmoe.train.run import ArgumentParser, StopRequests, every_rank, nearest, raise_together, run_script
 
 
 def _handlers():
@@ -204,10 +204,16 @@ def test_without_a_reachable_store_a_rank_holds_back_for_the_wait(monkeypatch, l
 
 
 def test_every_rank_of_one_process_is_its_own():
-    """every_rank without a process group: this process's refusal and facts (the ranks'
-    agreement is tests/parallel/test_train_parallel.py's: data and checkpoint files)."""
+    """every_rank and raise_together without a process group: this process's refusal and
+    facts (the ranks' agreement is tests/parallel/test_train_parallel.py's: data,
+    checkpoint and config files, questions)."""
     assert every_rank(None, (3, 10)) == (None, [(3, 10)])
     assert every_rank("data: none", None) == ("data: none", [None])
+    assert raise_together(None, "facts") == ["facts"]
+    missing = FileNotFoundError(2, "No such file or directory", "x.json")
+    with pytest.raises(FileNotFoundError) as raised:  # this process's own exception, as it was
+        raise_together(missing, "facts")
+    assert raised.value is missing
 
 
 def test_argument_parser_errors_are_system_exits_with_the_message():
