@@ -411,9 +411,9 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
     micro-batches of at most `tokens` tokens and print the accuracies (rank 0), or one JSON
     object with --json."""
     try:
-        encode, _, _ = text_codec(args.path, model, run)
         error, questions = None, []
-        try:
+        try:  # the tokenizer and the file, each rank's own
+            encode, _, _ = text_codec(args.path, model, run)
             questions = read_choices(args.choices, encode, limit=args.questions)
             for q in questions:
                 if max(max(q["context"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:

@@ -47,6 +47,7 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import json
 import math
 import os
 import random
@@ -512,6 +513,11 @@ def main(argv: list[str]) -> None:
         knob = f"--data_dtype={cfg.data_dtype}" if cfg.data_dtype else f"--separator={cfg.separator}"
         sys.exit(f"{knob}: applies to token files; this run's data is bytes (text files or the embedded corpus)")
     model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size if released else corpus.vocab_size)
+    # each rank read its data's index and --init_from_hf's config.json itself: one model on every rank, or none
+    built = [json.loads(b) for b in every_rank(None, json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str))[1]]
+    if differ := sorted({k for b in built for k in b if b[k] != built[0][k]}):
+        sys.exit("--data, --init_from_hf: the ranks built different models from their files (" + "; ".join(
+            f"rank {r}: " + ", ".join(f"{k}={b[k]}" for k in differ) for r, b in enumerate(built)) + "); every node must hold the same files")
     defaults = Config()
     if cfg.mtp_lambda != defaults.mtp_lambda and model_cfg.mtp_depth == 0:
         sys.exit(f"--mtp_lambda: weighs the MTP losses; --model.mtp_depth=0 has none (got --mtp_lambda={cfg.mtp_lambda})")

@@ -462,7 +462,7 @@ def _read_agreed(path, *, extra: bool) -> tuple[Path, Mapping, Optional[dict]]:
             except Exception as err:
                 raise ValueError(f"path: {str(found)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
                                  f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?") from None
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError) as err:  # OSError: FileNotFoundError, a permission, a stale network file handle
         error = err
     step = extra_dict.get("step") if isinstance(extra_dict, Mapping) else None
     every = raise_together(error, None if error is not None else (str(found), step))
@@ -492,7 +492,12 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     models = _models(model)
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
-    _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
+    error = None
+    try:  # each rank checks its own parameters (a pipeline stage's): agreed before the load's collectives
+        _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
+    except ValueError as err:
+        error = err
+    raise_together(error)
     _dcp_load(state, path)
     for m, part in zip(models, parts):
         set_model_state_dict(m, {k: state["model"][k] for k in part})
@@ -599,11 +604,16 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     models = _models(model)
     pairs = _pairs(models, optimizers)
     state, parts = _state(pairs)
-    _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
-    names = _parameter_names(models)
-    unsaved = _unsaved_state(stored, state["optim"], names)
-    read = {"model": state["model"], "optim": {k: v for k, v in state["optim"].items() if k.startswith("param_groups.") or _owner(k, names) not in unsaved}}
-    _check_optimizer_state(path, stored, read["optim"])
+    error = None
+    try:  # each rank checks its own parameters (a pipeline stage's): agreed before the load's collectives
+        _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
+        names = _parameter_names(models)
+        unsaved = _unsaved_state(stored, state["optim"], names)
+        read = {"model": state["model"], "optim": {k: v for k, v in state["optim"].items() if k.startswith("param_groups.") or _owner(k, names) not in unsaved}}
+        _check_optimizer_state(path, stored, read["optim"])
+    except ValueError as err:
+        error = err
+    raise_together(error)
     _dcp_load(read, path)  # in place; a number (not a tensor) is replaced in read's dict
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):
         loaded_model = {k: state["model"][k] for k in model_sd}

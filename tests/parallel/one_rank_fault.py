@@ -3,7 +3,7 @@ partial copy): what tests/parallel/test_train_parallel.py launches to see a faul
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/parallel/one_rank_fault.py FAULT SCRIPT ARGS...
 
-FAULT: short_data (a text directory one file short), older_checkpoint (a run's newest
+FAULT: none, short_data (a text directory one file short), older_checkpoint (a run's newest
 checkpoint not yet there: the one before it is the newest), other_path (rank 1's copy of a
 path is another: FMOE_TEST_OTHER_PATH="OLD=>NEW" replaces OLD by NEW in its arguments).
 SCRIPT: train_moe, evaluate or generate (examples/).
@@ -32,6 +32,8 @@ if os.environ.get("RANK") == "1":
             return steps[-2] if found is not None and len(steps) > 1 else found
 
         fmoe.train.checkpoint.latest = older
+    elif fault == "none":  # a check each rank makes of its own part: no fault needed
+        pass
     elif fault == "other_path":  # the arguments name a path rank 1 holds another copy of
         old, new = os.environ["FMOE_TEST_OTHER_PATH"].split("=>")
         sys.argv = [arg.replace(old, new) for arg in sys.argv]

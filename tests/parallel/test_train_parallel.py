@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from fmoe.train import checkpoint
@@ -341,6 +342,29 @@ def test_evaluate_and_generate_stop_where_a_rank_reads_other_files(tmp_path):
     for args, other_path, said in cases:
         done = _one_rank_fault(*args, other_path=other_path)
         assert done.returncode != 0 and said in done.stderr, (args, done.stdout[-2000:] + done.stderr[-4000:])
+
+
+def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
+    """Checks each rank makes of its own part, said by rank 0 at once: at pp = 2 only the
+    last stage holds the MTP module a checkpoint of mtp_depth=0 lacks (before, that rank
+    alone refused, a minute later, while rank 0 waited in the load); ranks whose token files'
+    indexes give other vocabularies (rank 1's copy of the data) build other models and stop
+    (before, they trained on, each its own model)."""
+    _train(tmp_path / "no_mtp", 1, "--model.mtp_depth=0", "--stop_at=1")
+    done = _one_rank_fault("none", "train_moe", f"--out_dir={tmp_path / 'pp'}", *TINY, "--pp=2", f"--init_from={tmp_path / 'no_mtp'}")
+    said = f"--init_from: rank 1: path: the model of '{tmp_path / 'no_mtp' / 'step_000001'}' differs from this one: mtp.0.proj (not saved)"
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+    for name, vocab in (("a", 300), ("b", 400)):  # the same tokens, indexes of two vocabularies
+        (tmp_path / name).mkdir()
+        tokens = np.random.default_rng(0).integers(1, 250, size=4000).astype(np.uint16)
+        tokens[::100] = 0
+        tokens.tofile(tmp_path / name / "tokens.u16")
+        (tmp_path / name / "tokens.u16.index.json").write_text(json.dumps(dict(documents=int((tokens == 0).sum()) + 1, tokens=4000, dtype="uint16",
+                                                                             separator=0, vocab_size=vocab)))
+    done = _one_rank_fault("other_path", "train_moe", f"--out_dir={tmp_path / 'vocab'}", *TINY, f"--data={tmp_path / 'a' / 'tokens.u16'}",
+                           other_path=f"{tmp_path / 'a'}=>{tmp_path / 'b'}")
+    said = "--data, --init_from_hf: the ranks built different models from their files (rank 0: vocab_size=300; rank 1: vocab_size=400)"
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
