@@ -383,11 +383,10 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError) as err:
         refusal = str(err) if str(err).startswith("data:") else f"data: {err}"  # load_blend's errors name the data already
     # each rank read the data itself: a file one node lacks (or holds another copy of) stops every rank, said once
-    refusal, every = every_rank(refusal, None if refusal else (len(corpus), corpus.n_tokens, len(batches)))
-    if refusal is None and len(set(every)) > 1:
-        refusal = ("--data: the ranks read different data (" + "; ".join(f"rank {r}: {d[0]} documents, {d[1]:,} tokens, {d[2]} micro-batches"
-                                                                        for r, d in enumerate(every))
-                   + "); each rank reads the files itself: every node must hold the same ones")
+    refusal, _ = every_rank(refusal, None if refusal else (len(corpus), corpus.n_tokens, len(batches)), lambda every: (
+        "--data: the ranks read different data (" + "; ".join(f"rank {r}: {d[0]} documents, {d[1]:,} tokens, {d[2]} micro-batches"
+                                                               for r, d in enumerate(every))
+        + "); each rank reads the files itself: every node must hold the same ones"))
     if refusal:
         sys.exit(refusal)
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
@@ -421,8 +420,8 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
         except (OSError, ValueError) as err:
             error = err
         # each rank read the file itself: every rank scores the same pairs, or none does
-        if len(set(raise_together(error, hashlib.sha256(json.dumps(questions).encode()).hexdigest()))) > 1:
-            raise ValueError(f"{args.choices}: the ranks read different questions from it; every node must hold the same file")
+        raise_together(error, hashlib.sha256(json.dumps(questions).encode()).hexdigest(),
+                       lambda _: f"{args.choices}: the ranks read different questions from it; every node must hold the same file")
         pairs = [(q["context"], c) for q in questions for c in q["choices"]]
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             logprobs, cut = choice_logprobs(model, pairs, tokens=tokens, device=device, meshes=meshes)

@@ -108,8 +108,8 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
             cfg, run = run_config(path, impl=impl)
     except (OSError, ValueError, KeyError) as err:
         error = err
-    if len(set(raise_together(error, None if cfg is None else repr(cfg)))) > 1:  # each rank read its own: agreed before the meshes
-        raise ValueError(f"path: the ranks read different model configs from {str(path)!r}: every node must hold the same files")
+    raise_together(error, None if cfg is None else repr(cfg),  # each rank read its own: agreed before the meshes
+                   lambda _: f"path: the ranks read different model configs from {str(path)!r}: every node must hold the same files")
     meshes = parallel.build_meshes(**sizes, has_experts=any(cfg.is_moe(i) for i in range(cfg.n_layers)), device_type=device.type)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -473,10 +473,9 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError, KeyError) as err:
         refusal = _said(err)
     # each rank read the tokenizer, chat template and generation config itself: the ranks decode one prompt to the same stops
-    refusal, every = every_rank(refusal, None if refusal else (tuple(prompt), tuple(sorted(stops))))
-    if refusal is None and len(set(every)) > 1:
-        refusal = ("--prompt: the ranks made different prompt ids or end-of-text ids from their files (tokenizer, chat template, "
-                   "generation_config.json); every node must hold the same ones")
+    refusal, _ = every_rank(refusal, None if refusal else (tuple(prompt), tuple(sorted(stops))), lambda _: (
+        "--prompt: the ranks made different prompt ids or end-of-text ids from their files (tokenizer, chat template, "
+        "generation_config.json); every node must hold the same ones"))
     if refusal is not None:
         sys.exit(refusal)
     try:

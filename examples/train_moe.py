@@ -229,6 +229,14 @@ def knob_help() -> str:
     return "\n".join(lines)
 
 
+def _differing_models(every: list) -> str:
+    """The knobs in which the ranks' models (each rank's TransformerConfig as sorted JSON) differ."""
+    built = [json.loads(b) for b in every]
+    differ = sorted({k for b in built for k in b if b[k] != built[0][k]})
+    return ("--data, --init_from_hf: the ranks built different models from their files (" + "; ".join(
+        f"rank {r}: " + ", ".join(f"{k}={b[k]}" for k in differ) for r, b in enumerate(built)) + "); every node must hold the same files")
+
+
 def _pp_knobs(err: ValueError) -> str:
     """A pipeline error in the knobs' words: the stage sizes Pipeline calls layers_per_stage are --pp_layers."""
     return str(err).replace("layers_per_stage", "--pp_layers")
@@ -486,12 +494,10 @@ def main(argv: list[str]) -> None:
                    f"({err}); lower --eval_batches (0: no validation) or raise --val_percent")
     # each rank read the data itself: a file one node lacks (or holds another copy of) stops every rank, said once
     data = None if refusal else (len(train_set), train_set.n_tokens, *((len(val_set), val_set.n_tokens) if val_set is not None else ()))
-    refusal, every = every_rank(refusal, data)
-    if refusal is None and len(set(every)) > 1:
-        refusal = ("--data: the ranks read different data (" + "; ".join(
-            f"rank {r}: {d[0]} documents, {d[1]:,} tokens" + (f" + {d[2]} documents, {d[3]:,} tokens for validation" if len(d) > 2 else "")
-            for r, d in enumerate(every)) + "); each rank reads the files itself: every node must hold the same ones (a stale copy "
-            "on one node, or files still being written?)")
+    refusal, _ = every_rank(refusal, data, lambda every: "--data: the ranks read different data (" + "; ".join(
+        f"rank {r}: {d[0]} documents, {d[1]:,} tokens" + (f" + {d[2]} documents, {d[3]:,} tokens for validation" if len(d) > 2 else "")
+        for r, d in enumerate(every)) + "); each rank reads the files itself: every node must hold the same ones (a stale copy "
+        "on one node, or files still being written?)")
     if refusal:
         sys.exit(refusal)
 
@@ -514,10 +520,8 @@ def main(argv: list[str]) -> None:
         sys.exit(f"{knob}: applies to token files; this run's data is bytes (text files or the embedded corpus)")
     model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size if released else corpus.vocab_size)
     # each rank read its data's index and --init_from_hf's config.json itself: one model on every rank, or none
-    built = [json.loads(b) for b in every_rank(None, json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str))[1]]
-    if differ := sorted({k for b in built for k in b if b[k] != built[0][k]}):
-        sys.exit("--data, --init_from_hf: the ranks built different models from their files (" + "; ".join(
-            f"rank {r}: " + ", ".join(f"{k}={b[k]}" for k in differ) for r, b in enumerate(built)) + "); every node must hold the same files")
+    if refusal := every_rank(None, json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str), _differing_models)[0]:
+        sys.exit(refusal)
     defaults = Config()
     if cfg.mtp_lambda != defaults.mtp_lambda and model_cfg.mtp_depth == 0:
         sys.exit(f"--mtp_lambda: weighs the MTP losses; --model.mtp_depth=0 has none (got --mtp_lambda={cfg.mtp_lambda})")
@@ -621,9 +625,10 @@ def main(argv: list[str]) -> None:
     step, tokens_seen = 0, 0
     # a resumed run: rank 0 removes the .tmp folders of saves a stop interrupted (no save is in flight yet)
     path = checkpoint.latest(cfg.out_dir, delete_partial=rank == 0) if cfg.resume else None
-    if cfg.resume and len(set(found := every_rank(None, None if path is None else str(path))[1])) > 1:  # each rank listed out_dir
-        sys.exit(f"--resume: the ranks found different newest checkpoints in {cfg.out_dir} ("
-                 + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files")
+    if cfg.resume and (refusal := every_rank(None, None if path is None else str(path), lambda found: (  # each rank listed out_dir
+            f"--resume: the ranks found different newest checkpoints in {cfg.out_dir} ("
+            + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files"))[0]):
+        sys.exit(refusal)
     if path:
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:

@@ -465,14 +465,17 @@ def _read_agreed(path, *, extra: bool) -> tuple[Path, Mapping, Optional[dict]]:
     except (OSError, ValueError) as err:  # OSError: FileNotFoundError, a permission, a stale network file handle
         error = err
     step = extra_dict.get("step") if isinstance(extra_dict, Mapping) else None
-    every = raise_together(error, None if error is not None else (str(found), step))
-    if len({p for p, _ in every}) > 1:
-        raise ValueError("path: the ranks found different checkpoints (" + ", ".join(f"rank {rank}: {p}" for rank, (p, _) in enumerate(every))
-                         + "); every rank must see the same files: name one checkpoint directory")
-    if len({s for _, s in every}) > 1:
-        raise ValueError(f"path: {str(found)!r}: the ranks' extra files are of different steps ("
-                         + ", ".join(f"rank {rank}: {s}" for rank, (_, s) in enumerate(every)) + "); a checkpoint put together from several saves?")
+    raise_together(error, None if error is not None else (str(found), step), differ=_differing_checkpoints)
     return found, stored, extra_dict
+
+
+def _differing_checkpoints(every: list) -> str:
+    """What the ranks' (checkpoint directory, extra's step) of one load say: other directories, or other steps."""
+    if len({p for p, _ in every}) > 1:
+        return ("path: the ranks found different checkpoints (" + ", ".join(f"rank {rank}: {p}" for rank, (p, _) in enumerate(every))
+                + "); every rank must see the same files: name one checkpoint directory")
+    return (f"path: {every[0][0]!r}: the ranks' extra files are of different steps ("
+            + ", ".join(f"rank {rank}: {s}" for rank, (_, s) in enumerate(every)) + "); a checkpoint put together from several saves?")
 
 
 def load_model(path, *, model: torch.nn.Module) -> Path:

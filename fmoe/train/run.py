@@ -284,13 +284,14 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
         raise SystemExit(1) from None
 
 
-def every_rank(refusal: Optional[str], facts=None) -> tuple[Optional[str], list]:
+def every_rank(refusal: Optional[str], facts=None, differ: Optional[Callable[[list], str]] = None) -> tuple[Optional[str], list]:
     """What the ranks found about something each read itself (its data files, its own
     checkpoint file), in one all_gather_object over the default group, called by every rank:
     (the refusal of the first rank that made one, as "rank r: ..." where the ranks' refusals
-    differ, else None; [facts of rank 0, rank 1, ...]). The same on every rank: a refusal
-    raised by one rank alone left the others waiting in their next collective. One process
-    (no group): (refusal, [facts])."""
+    differ, else differ([facts of rank 0, rank 1, ...]) where the facts (hashable) differ,
+    else None; [facts of rank 0, rank 1, ...]). The same on every rank: a refusal raised by
+    one rank alone left the others waiting in their next collective. One process (no
+    group): (refusal, [facts])."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -298,17 +299,21 @@ def every_rank(refusal: Optional[str], facts=None) -> tuple[Optional[str], list]
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (refusal, facts))
     refused = [(rank, said) for rank, (said, _) in enumerate(views) if said is not None]
+    every = [f for _, f in views]
     if refused:
         rank, said = refused[0]
         refusal = said if all(other == said for other, _ in views) else f"rank {rank}: {said}"
-    return refusal, [f for _, f in views]
+    elif differ is not None and len(set(every)) > 1:
+        refusal = differ(every)
+    return refusal, every
 
 
-def raise_together(error: Optional[BaseException], facts=None) -> list:
+def raise_together(error: Optional[BaseException], facts=None, differ: Optional[Callable[[list], str]] = None) -> list:
     """every_rank for an exception a rank caught (None where it read well): `error` raised
     on every rank where any rank has one (another rank's refusal as a ValueError of its
-    text, "rank r: ..."), else [facts of rank 0, rank 1, ...]. Every rank calls it."""
-    refusal, every = every_rank(None if error is None else str(error), facts)
+    text, "rank r: ..."; facts that differ: a ValueError of differ's), else [facts of rank
+    0, rank 1, ...]. Every rank calls it."""
+    refusal, every = every_rank(None if error is None else str(error), facts, differ)
     if refusal is not None:
         if error is not None and str(error) == refusal:
             raise error
