@@ -366,6 +366,18 @@ def check_saved_groups(state_dict: dict, check: Callable[[dict], None]) -> None:
             raise ValueError(f"state_dict: param group {n}: {err}") from None
 
 
+def check_ordered(params) -> None:
+    """TypeError for a set of parameters (the optimizer's `params` or a group's), as torch's
+    add_param_group and AdamW refuse a group's: a set's order changes between runs, and with
+    it a checkpoint's parameter indices (a resumed run's states went to other parameters)
+    and DistributedMuon's owners (ranks that disagree on them hang). torch's constructor
+    took a top-level set as a list. Shared by AdamW, Muon and fmoe.parallel's
+    DistributedMuon."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"params: expected an ordered collection of parameters (a list), got a {type(params).__name__} "
+                        "(its order changes between runs)")
+
+
 def check_params_once(params: list, param_groups: list[dict]) -> None:
     """ValueError for a tensor of `params` (a group being added) listed twice, or already in
     param_groups: torch only warns within a group, and a step updated it twice."""
@@ -436,6 +448,7 @@ class AdamW(torch.optim.Optimizer):
         except TypeError:  # not two values: add_param_group's check names it
             pass
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_ordered(params)
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
         self.master_weights = master_weights
@@ -467,9 +480,8 @@ class AdamW(torch.optim.Optimizer):
         if key is not None:
             raise ValueError(f"{key}: expected {_UNSUPPORTED_FLAGS[key]} (this AdamW does not implement {key}={param_group[key]!r}), "
                              f"got {param_group[key]!r}")
-        params, names = param_group["params"], None
-        if not isinstance(params, set):  # a set: torch's TypeError (unordered)
-            params, names = split_names(params)
+        check_ordered(param_group["params"])
+        params, names = split_names(param_group["params"])
         for p in params:
             if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:  # complex lost its imaginary part, int64 truncated, float64 rounded
                 raise ValueError(f"params: expected float32, bfloat16 or float16 parameters (the step works in float32; "

@@ -58,7 +58,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.ops.backend import local_tensor as _local
 from fmoe.ops.experts import EXPERT_BIASES
-from fmoe.optim.adamw import check_number, check_params_once, check_saved_groups, check_state_shapes, split_names, with_names
+from fmoe.optim.adamw import (
+    check_number, check_ordered, check_params_once, check_saved_groups, check_state_shapes, split_names, with_names,
+)
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
@@ -154,17 +156,6 @@ def check_hyperparameters(group: dict) -> None:
     dtype = group["ns_dtype"]
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # an int32 failed at the first step
         raise ValueError(f"ns_dtype: expected a floating torch.dtype (torch.bfloat16, torch.float32), got {dtype!r}")
-
-
-def check_ordered(params) -> None:
-    """TypeError for a set of parameters (the optimizer's `params` or a group's), as torch's
-    add_param_group and AdamW refuse a group's: a set's order changes between runs, and with
-    it a checkpoint's parameter indices and DistributedMuon's owners (ranks that disagree on
-    them hang). torch's constructor took a top-level set as a list. Shared with
-    fmoe.parallel's DistributedMuon."""
-    if isinstance(params, (set, frozenset)):
-        raise TypeError(f"params: expected an ordered collection of parameters (a list), got a {type(params).__name__} "
-                        "(its order changes between runs)")
 
 
 class Muon(torch.optim.Optimizer):

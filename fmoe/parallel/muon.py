@@ -115,8 +115,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from fmoe.optim.adamw import check_saved_groups, check_state_shapes, split_names, with_names
-from fmoe.optim.muon import apply_update, check_hyperparameters, check_ordered, momentum_direction, newton_schulz, shape_scale
+from fmoe.optim.adamw import check_ordered, check_saved_groups, check_state_shapes, split_names, with_names
+from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, shape_scale
 from fmoe.ops.backend import local_tensor as _local
 
 Block = tuple[slice, ...]  # a rank's shard of a matrix: one slice per dim of the full tensor

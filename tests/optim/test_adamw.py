@@ -399,6 +399,20 @@ def test_a_parameter_twice_is_refused():
     assert len(opt.param_groups) == 1
 
 
+def test_params_must_be_an_ordered_collection():
+    """AdamW({p, q}) took the set as a list, as torch's constructor does: a set's order
+    changes between runs, and a resumed run's states went to other parameters. A TypeError,
+    as a group's set is in torch and in Muon, and nothing is added."""
+    p, q = torch.zeros(3, 4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    for params in ({p, q}, frozenset([p]), [{"params": {p}}]):
+        with pytest.raises(TypeError, match="^params: expected an ordered collection of parameters"):
+            AdamW(params)
+    opt = AdamW([q])
+    with pytest.raises(TypeError, match="^params: expected an ordered collection of parameters"):
+        opt.add_param_group({"params": {p}})
+    assert len(opt.param_groups) == 1
+
+
 def _stepped(shape=(2, 3), steps=1, **kwargs):
     w = torch.nn.Parameter(torch.ones(shape))
     opt = AdamW([w], lr=1e-2, **kwargs)
