@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.train.run import raise_together
+from fmoe.train.run import NON_FINITE, raise_together
 
 _NAME = re.compile(r"step_(\d+)")
 
@@ -522,6 +522,9 @@ def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
         raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not an fmoe run's config (no config.model and vocab_size"
                          f"{'; a Hugging Face folder: fmoe.hf.from_pretrained reads it' if isinstance(run, dict) and 'model_type' in run else ''})")
     knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
+    floats = {f.name for f in dataclasses.fields(TransformerConfig) if "float" in str(f.type)}
+    knobs = {k: NON_FINITE[v] if k in floats and isinstance(v, str) and v in NON_FINITE else v
+             for k, v in knobs.items()}  # write_config's strings for a float knob's inf or nan
     return TransformerConfig(**{**knobs, "impl": impl}), run
 
 

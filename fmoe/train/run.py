@@ -104,15 +104,34 @@ def run_info() -> dict:
     }
 
 
+NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _strict(value):
+    """value with each non-finite float (a knob such as --clip=inf) as its NON_FINITE string,
+    in the dicts, lists and tuples it holds: Python's json wrote Infinity and NaN, which strict
+    JSON readers (jq, JavaScript, most languages' parsers) refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def write_config(out_dir, config: dict, **extra) -> Path:
     """Write <out_dir>/config.json: {"config": config, **extra, "run": run_info()} (config:
-    every knob, e.g. dataclasses.asdict of the loop's Config). Returns the path."""
+    every knob, e.g. dataclasses.asdict of the loop's Config), strict JSON: a non-finite
+    float is written as the string "inf", "-inf" or "nan" (NON_FINITE; float() reads each
+    back). Returns the path."""
     if not isinstance(config, dict):
         raise ValueError(f"config: expected a dict of knobs, got {type(config).__name__}")
     out_dir = Path(check_path("out_dir", out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
-    path.write_text(json.dumps({"config": config, **extra, "run": run_info()}, indent=2, default=str) + "\n")
+    record = json.loads(json.dumps({"config": config, **extra, "run": run_info()}, default=str))  # default's strings first
+    path.write_text(json.dumps(_strict(record), indent=2, allow_nan=False) + "\n")
     return path
 
 

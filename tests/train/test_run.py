@@ -306,6 +306,30 @@ def test_write_config_and_run_script_name_their_bad_inputs(tmp_path, monkeypatch
         run_script(lambda argv: None, [])
 
 
+def test_config_json_is_strict_json_and_a_model_knob_s_infinity_comes_back(tmp_path):
+    """--clip=inf (a legal knob) was written as Infinity, which jq and other strict JSON
+    readers refuse: non-finite floats are the strings "inf", "-inf" and "nan", and
+    run_config reads a float model knob's back as the number."""
+    import json
+    import math
+
+    from fmoe.model import TransformerConfig
+    from fmoe.train.checkpoint import run_config
+    from fmoe.train.run import write_config
+
+    model = dict(TransformerConfig(yarn_beta_fast=math.inf).__dict__)
+    path = write_config(tmp_path, {"clip": math.inf, "floor": -math.inf, "seq": (1.0, math.nan), "model": model}, vocab_size=256)
+
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    config = json.loads(path.read_text(), parse_constant=refuse)["config"]
+    assert (config["clip"], config["floor"], config["seq"]) == ("inf", "-inf", [1.0, "nan"])
+    assert config["model"]["yarn_beta_fast"] == "inf"
+    cfg, _ = run_config(tmp_path, impl=model["impl"])
+    assert cfg.yarn_beta_fast == math.inf and cfg == TransformerConfig(**{**model, "vocab_size": 256})
+
+
 def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_path):
     """run_info's git_commit came from any repository above the package: fmoe installed in a
     project's .venv recorded the project's commit as its own. Only a checkout whose top level
