@@ -40,7 +40,8 @@ with --choices stop with an error.
 Printed: per source and overall, the tokens counted (those with a next token in their
 document), the mean loss, its perplexity and bits per byte (byte corpora) or per token;
 the MTP depths' losses when the model has MTP modules. --json prints one JSON object
-instead: {"loss", "tokens", "by_source": {name: {"loss", "tokens"}}, "mtp_losses"}. A
+instead: {"loss", "tokens", "perplexity", "bits_per_byte" (or "bits_per_token"),
+"by_source": {name: {the same four}}, "mtp_losses"}. A
 source (or MTP depth) with no counted token has no loss (null), and an evaluation with
 none at all stops with an error; a source without a micro-batch is named in a note
 (standard error).
@@ -439,17 +440,25 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
         parallel.leave_ranks()
 
 
+def with_rates(r: dict, unit: str) -> dict:
+    """r ({"loss", "tokens", ...}) with its perplexity, exp(loss), and bits_per_<unit>,
+    loss / ln 2 (None for a loss of None)."""
+    none = r["loss"] is None
+    return {**r, "perplexity": None if none else math.exp(r["loss"]), f"bits_per_{unit}": None if none else r["loss"] / math.log(2)}
+
+
 def report(result: dict, *, unit: str, as_json: bool) -> None:
     """Print evaluate's result: one JSON object (a loss over no token null), or a line per
     source (and overall when there are several) and per MTP depth."""
     if as_json:
-        print(json.dumps(result))
+        print(json.dumps({**with_rates(result, unit), "by_source": {n: with_rates(r, unit) for n, r in result["by_source"].items()}}))
         return
     rows = [*result["by_source"].items()] + ([("all", result)] if len(result["by_source"]) > 1 else [])
     nothing = "no loss: no token with a next one in its document and micro-batch was counted"
     for name, r in rows:
+        r = with_rates(r, unit)
         print(f"{name}: {r['tokens']} tokens, " + (nothing if r["loss"] is None else f"loss {r['loss']:.4f}, perplexity "
-              f"{math.exp(r['loss']):.3f}, bits per {unit} {r['loss'] / math.log(2):.4f}"))
+              f"{r['perplexity']:.3f}, bits per {unit} {r[f'bits_per_{unit}']:.4f}"))
     for d, loss in enumerate(result["mtp_losses"], 1):
         print(f"mtp depth {d}: " + ("no loss: no token was counted at this depth" if loss is None else f"loss {loss:.4f}"))
 

@@ -4,6 +4,7 @@ folder on byte data; under torchrun (2 gloo ranks: FSDP2, TP, EP, CP) the one-pr
 numbers; bad knobs stop with a message."""
 
 import json
+import math
 import pathlib
 import shutil
 import subprocess
@@ -226,7 +227,22 @@ def test_a_source_without_a_counted_token_prints_no_loss(capsys):
     assert lines[1] == "b: 0 tokens, no loss: no token with a next one in its document and micro-batch was counted"
     assert lines[2].startswith("all: 7 tokens, loss 2.0000") and lines[3] == "mtp depth 1: no loss: no token was counted at this depth"
     evaluate.report(result, unit="byte", as_json=True)
-    assert json.loads(capsys.readouterr().out)["by_source"]["b"] == {"loss": None, "tokens": 0}
+    got = json.loads(capsys.readouterr().out)
+    assert got["by_source"]["b"] == {"loss": None, "tokens": 0, "perplexity": None, "bits_per_byte": None}
+    assert got["by_source"]["a"]["perplexity"] == got["perplexity"] == pytest.approx(math.exp(2.0)) and got["mtp_losses"] == [None]
+
+
+def test_json_has_the_perplexity_and_bits_the_text_prints(capsys):
+    """--json printed the loss and tokens only: a script wanting the perplexity had to
+    take exp() itself. The JSON now holds the numbers the text prints, overall and per source."""
+    result = dict(loss=2.0, tokens=7, by_source=dict(a=dict(loss=1.5, tokens=3), b=dict(loss=2.375, tokens=4)), mtp_losses=[3.0])
+    evaluate.report(result, unit="token", as_json=True)
+    got = json.loads(capsys.readouterr().out)
+    assert got["perplexity"] == pytest.approx(math.exp(2.0)) and got["bits_per_token"] == pytest.approx(2.0 / math.log(2))
+    assert got["by_source"]["a"]["perplexity"] == pytest.approx(math.exp(1.5)) and "bits_per_byte" not in got
+    evaluate.report(result, unit="token", as_json=False)
+    text = capsys.readouterr().out.splitlines()
+    assert text[2] == f"all: 7 tokens, loss 2.0000, perplexity {got['perplexity']:.3f}, bits per token {got['bits_per_token']:.4f}"
 
 
 BAD_KNOBS = [
