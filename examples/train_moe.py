@@ -668,17 +668,24 @@ def main(argv: list[str]) -> None:
         if rank == 0:
             print(f"initialised from the weights of {path}")
     elif cfg.upcycle_from:  # a dense run's weights, its FFNs cut into the experts: the dense model's function at step 0
+        refusal, found, dense_state = None, None, None
         try:
             if fmoe.hf.is_hf_folder(cfg.upcycle_from):  # read whole, in the dtype its config.json names (bf16: half of float32)
                 stored = fmoe.hf.config_dtype(fmoe.hf.read_config(cfg.upcycle_from)[0])
                 hf_model = fmoe.hf.from_pretrained(cfg.upcycle_from, mtp_depth=0, dtype=stored)[0]
                 dense_cfg, dense_state = hf_model.cfg, hf_model.state_dict()
                 del hf_model  # its tensors live on in dense_state, until the upcycling is done
-            else:  # an fmoe run's checkpoint, read one tensor at a time
+            else:  # an fmoe run's checkpoint (its newest, found by each rank), read one tensor at a time
                 dense_cfg, dense_state = checkpoint.run_config(cfg.upcycle_from)[0], checkpoint.ModelTensors(cfg.upcycle_from)
+                found = str(dense_state.path)
             upcycle_(parts, dense_state, dense_cfg, seed=cfg.seed, drop=cfg.upcycle_drop)
-        except (FileNotFoundError, ValueError) as err:
-            sys.exit(f"--upcycle_from: {err}")
+        except (OSError, ValueError) as err:
+            refusal = f"--upcycle_from: {err}"
+        # each rank read the dense model itself, with no collective: a rank's refusal is every rank's, and so is its checkpoint
+        if refusal := every_rank(refusal, found, lambda every: (
+                "--upcycle_from: the ranks found different checkpoints (" + ", ".join(f"rank {r}: {p}" for r, p in enumerate(every))
+                + "); every rank must see the same files: name one checkpoint directory"))[0]:
+            sys.exit(refusal)
         if rank == 0:
             print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
                   f"1/{granularity(model_cfg, dense_cfg)} of its FFN" + (f", {cfg.upcycle_drop:.0%} of each one's channels drawn afresh"

@@ -367,6 +367,29 @@ def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
     assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
 
 
+def test_upcycling_ranks_agree_on_the_dense_checkpoint_they_read(tmp_path):
+    """--upcycle_from reads the dense run's newest checkpoint on each rank, with no
+    collective: ranks that found different ones (a save landing between their listings, a
+    node's stale copy) upcycled each its own weights and trained on without a word, and a
+    rank that could not read its copy refused alone, a minute after the others went on."""
+    dense = tmp_path / "dense"
+    _train(dense, 1, "--model.n_dense=2", "--stop_at=2", "--ckpt_every=1")
+    _train(dense, 1, "--model.n_dense=2", "--resume", "--stop_at=3")
+    upcycle = (f"--out_dir={tmp_path / 'moe'}", *TINY, f"--upcycle_from={dense}")
+    done = _one_rank_fault("older_checkpoint", "train_moe", *upcycle)
+    said = (f"--upcycle_from: the ranks found different checkpoints (rank 0: {dense / 'step_000003'}, rank 1: {dense / 'step_000002'}); "
+            "every rank must see the same files")
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+    assert not (tmp_path / "moe" / "metrics.jsonl").exists()
+    copy = tmp_path / "copy"  # rank 1's copy of the dense run, its newest shard cut short
+    shutil.copytree(dense, copy)
+    for shard in (copy / "step_000003").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:1000])
+    done = _one_rank_fault("other_path", "train_moe", *upcycle, other_path=f"{dense}=>{copy}")
+    said = f"rank 1: --upcycle_from: path: {str(copy / 'step_000003')!r} could not be read"
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
     """Saved at pp = 2, resumed on one process; saved on one process, resumed at pp = 2."""
     first = _train(tmp_path / "pp", 2, "--pp=2", "--stop_at=3")
