@@ -385,12 +385,14 @@ def _dcp_load(state: dict, path: Path, *, no_dist: Optional[bool] = None) -> Non
     CheckpointException is a BaseException that `except Exception` lets through. Every rank
     raises it (DCP gathers the failures). Tensors read before the failure keep their new
     values: load the model again, from another checkpoint."""
+    no_dist = not dist.is_initialized() if no_dist is None else no_dist
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized() if no_dist is None else no_dist)
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
     except CheckpointException as err:
         rank, (cause, _) = next(iter(err.failures.items()))
-        raise ValueError(f"path: {str(path)!r} could not be read (rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
+        who = "" if no_dist else f"rank {rank}: "  # this process's own read: DCP's rank 0 whatever rank it is
+        raise ValueError(f"path: {str(path)!r} could not be read ({who}{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
                          "a damaged or incomplete checkpoint? What was read before the failure is loaded: load again, from another "
                          "checkpoint") from None
 
