@@ -64,7 +64,7 @@ import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import TransformerConfig  # noqa: E402
 from fmoe.train.chat import CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG  # noqa: E402
-from fmoe.train.run import ArgumentParser, run_path, run_script  # noqa: E402
+from fmoe.train.run import ArgumentParser, raise_together, run_path, run_script  # noqa: E402
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -197,15 +197,21 @@ def main(argv: list[str]) -> None:
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=torch.float32, impl="torch")
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "path:")) else f"path: {err}")
-    try:
+    error, hf, notes, source = None, None, [], None
+    try:  # each rank reads the HF folder (--hf_config, or the run's --init_from_hf) itself
         hf, notes, source = export_config(model.cfg, run, model_type=args.model_type, hf_folder=args.hf_config, dtype=args.dtype)
+        if source is not None and out.resolve() == source.resolve():  # its weights and config replaced, then its files copied onto themselves
+            raise ValueError(f"out: {str(out)!r} is the Hugging Face folder whose config and files the export takes; write the export elsewhere")
+        model.hf_config = hf
+        if source is not None and json.loads((source / "config.json").read_text()).get("model_type") == hf["model_type"]:
+            fmoe.hf.keep_folder_layout(model, source, hf["model_type"])  # the folder's experts' layout, written back
+    except (OSError, ValueError) as err:
+        error = err
+    try:  # the ranks write one folder together: a rank's refusal, or another config (a node's copy of the folder), stops every rank
+        raise_together(error, json.dumps(hf, sort_keys=True, default=str), lambda _: (
+            f"--hf_config: the ranks read different configs from {str(source)!r}; every node must hold the same folder"))
     except ValueError as err:
         sys.exit(str(err))
-    if source is not None and out.resolve() == source.resolve():  # its weights and config replaced, then its files copied onto themselves
-        sys.exit(f"out: {str(out)!r} is the Hugging Face folder whose config and files the export takes; write the export elsewhere")
-    model.hf_config = hf
-    if source is not None and json.loads((source / "config.json").read_text()).get("model_type") == hf["model_type"]:
-        fmoe.hf.keep_folder_layout(model, source, hf["model_type"])  # the folder's experts' layout, written back
     fmoe.hf.save_pretrained(model, out, max_shard_bytes=max_shard_bytes)
     if rank == 0:
         copied = copy_folder_files(source, out) if source is not None else []

@@ -7,6 +7,7 @@ weights; two torchrun ranks write one process's files; bad knobs stop with a mes
 import dataclasses
 import filecmp
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -206,6 +207,27 @@ def test_a_run_from_an_hf_folder_keeps_its_config_and_tokenizer(hf_run, tmp_path
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     back, _ = hf.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, impl="torch")
     assert back.embed.dtype == torch.bfloat16 and torch.equal(back.embed, model.embed.to(torch.bfloat16))
+
+
+def test_two_ranks_that_read_other_hf_folders_stop_together(hf_run, tmp_path):
+    """Each rank reads --hf_config's folder itself: rank 1's copy without config.json refused
+    alone while rank 0 waited in the export's collectives (a minute), and a copy whose
+    config.json differs (another eos_token_id) gave the ranks different configs to write.
+    Now rank 0 says it at once (tests/parallel/one_rank_fault.py: rank 1's path replaced)."""
+    folder, run = hf_run
+    bare, other = tmp_path / "bare", tmp_path / "other"
+    bare.mkdir()
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "eos_token_id": 7}))
+    for copy, said in ((bare, "rank 1: --hf_config: not a Hugging Face folder"),
+                       (other, f"--hf_config: the ranks read different configs from {str(folder)!r}; every node must hold the same folder")):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               str(ROOT / "tests" / "parallel" / "one_rank_fault.py"), "other_path", "export_hf", str(run), str(tmp_path / "out"),
+                               f"--hf_config={folder}"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "FMOE_TEST_OTHER_PATH": f"={folder}=>={copy}"})
+        assert done.returncode != 0 and said in done.stderr, (copy, done.stdout[-2000:] + done.stderr[-4000:])
+        assert not (tmp_path / "out").exists()
 
 
 def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):

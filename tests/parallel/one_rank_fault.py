@@ -6,7 +6,7 @@ partial copy): what tests/parallel/test_train_parallel.py launches to see a faul
 FAULT: none, short_data (a text directory one file short), older_checkpoint (a run's newest
 checkpoint not yet there: the one before it is the newest), other_path (rank 1's copy of a
 path is another: FMOE_TEST_OTHER_PATH="OLD=>NEW" replaces OLD by NEW in its arguments).
-SCRIPT: train_moe, evaluate or generate (examples/).
+SCRIPT: train_moe, evaluate, generate or export_hf (examples/).
 """
 
 import os
