@@ -108,8 +108,11 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
             cfg, run = run_config(path, impl=impl)
     except (OSError, ValueError, KeyError) as err:
         error = err
-    raise_together(error, None if cfg is None else repr(cfg),  # each rank read its own: agreed before the meshes
-                   lambda _: f"path: the ranks read different model configs from {str(path)!r}: every node must hold the same files")
+    # each rank read its own: agreed before the meshes, and so is what it read (the loads' collectives differ)
+    raise_together(error, None if cfg is None else ("an fmoe run" if run else "a Hugging Face folder", repr(cfg)), lambda every: (
+        f"path: the ranks read different model configs from {str(path)!r}: every node must hold the same files"
+        if len({kind for kind, _ in every}) == 1 else f"path: {str(path)!r} is not the same on every rank ("
+        + ", ".join(f"rank {r}: {kind}" for r, (kind, _) in enumerate(every)) + "): every node must hold the same files"))
     meshes = parallel.build_meshes(**sizes, has_experts=any(cfg.is_moe(i) for i in range(cfg.n_layers)), device_type=device.type)
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -344,6 +344,20 @@ def test_evaluate_and_generate_stop_where_a_rank_reads_other_files(tmp_path):
         assert done.returncode != 0 and said in done.stderr, (args, done.stdout[-2000:] + done.stderr[-4000:])
 
 
+def test_generate_stops_where_a_rank_s_path_is_an_hf_folder_of_the_same_model(tmp_path):
+    """Rank 1's copy of the path an HF export of the run (the same model config): rank 0
+    loaded the run's checkpoint with DCP's collectives while rank 1 read safetensors and
+    waited in another collective. The ranks now agree on what kind of folder they read."""
+    run = tmp_path / "run"
+    _train(run, 1, "--model.mtp_depth=0", "--model.mtp_norm=True", "--stop_at=1")
+    export = subprocess.run([sys.executable, str(ROOT / "examples" / "export_hf.py"), str(run), str(tmp_path / "hf"), "--model_type=glm4_moe"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert export.returncode == 0, export.stderr[-3000:]
+    done = _one_rank_fault("other_path", "generate", str(run), "--prompt_ids=1,2", "--tokens=2", other_path=f"{run}=>{tmp_path / 'hf'}")
+    said = f"path: {str(run)!r} is not the same on every rank (rank 0: an fmoe run, rank 1: a Hugging Face folder)"
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
     """Checks each rank makes of its own part, said by rank 0 at once: at pp = 2 only the
     last stage holds the MTP module a checkpoint of mtp_depth=0 lacks (before, that rank
