@@ -70,7 +70,11 @@ from which fmoe.train.data.load_token_file / load_corpus / load_blend take separ
 vocab_size and dtype. Documents are read and encoded in batches of about 4M characters
 (encode_batch runs on the tokenizer's threads; a large JSON Lines or Parquet file is
 streamed, never read whole) and streamed to disk; progress goes to stderr about once a
-second. Output is atomic: both files are written under hidden
+second. A text document longer than 512K characters (a book, a dump nobody split) is
+encoded a window at a time, cut at the pre-tokenizer's piece boundaries, to the same ids:
+one encode of it held about 450 bytes per token (a 45 MB file took 7.6 GB), the windows a
+few windows' worth, at the cost of one more pass of the pre-tokenizer (a tokenizer with a
+normalizer, or one that adds a prefix space to each input, encodes it whole, as before). Output is atomic: both files are written under hidden
 temporary names in OUT's directory and renamed into place at the end, the index last (an
 older index and loss mask are removed first), so a failed or interrupted run leaves no
 final name.
@@ -79,6 +83,7 @@ final name.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gzip
 import json
@@ -101,6 +106,14 @@ SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]"
 # characters of text per encode_batch call: large enough for the tokenizer's threads, small
 # enough that one batch's ids stay a few tens of MB
 _BATCH_CHARS = 1 << 22
+# a longer document (a book, a file nobody split) is encoded a window at a time where the
+# tokenizer allows it (_windowed): one encode of a whole document held ~450 bytes per token
+# (a 45 MB text file: 7.6 GB), and the windows' ids are the whole document's, id for id
+_WINDOW_CHARS = 1 << 19
+_WINDOW_MARGIN = 1 << 12  # characters before a window's end that its cut leaves out: the regexes' lookahead
+# pre-tokenizers that cut a text into pieces by looking at the text alone (no prefix added to
+# each input): a piece boundary far from a window's end is the whole document's
+_LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "Sequence")
 _PROGRESS_SECONDS = 1.0
 _PARQUET_ROWS = 1024  # rows of a Parquet file read at a time
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone one (a JSON escape without its pair): tokenizers refuses the str
@@ -283,7 +296,72 @@ def _documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Ite
         if b"\0" in data:  # valid UTF-8, but not text: a tar archive by another name, UTF-16, a binary file
             raise ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {data.index(0)}), which text does not; "
                              "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
+        del data  # the text alone is held while it is encoded
         yield repr(str(path)), text.removeprefix("\ufeff")  # a byte-order mark (Windows editors' UTF-8) is not text
+
+
+def _windowed(tokenizer) -> bool:
+    """Whether `tokenizer` encodes a text as the concatenation of the encodings of its pieces
+    cut at pre-token boundaries: no normalizer (one may join characters across a cut, as NFC
+    does), and pre-tokenizers that add nothing to the start of each input (ByteLevel without
+    add_prefix_space; Metaspace prepends its ▁). The model (BPE, WordPiece, Unigram) works on
+    one pre-token at a time."""
+    config = json.loads(tokenizer.to_str())
+
+    def local(pre) -> bool:
+        if not isinstance(pre, dict) or pre.get("type") not in _LOCAL_PRE_TOKENIZERS:
+            return False
+        if pre["type"] == "Sequence":
+            return all(local(p) for p in pre.get("pretokenizers", []))
+        return not (pre["type"] == "ByteLevel" and pre.get("add_prefix_space"))
+
+    return config.get("normalizer") is None and local(config.get("pre_tokenizer"))
+
+
+def _cuts(tokenizer, text: str) -> list[int]:
+    """[0, c1, ..., len(text)]: where _encode_long cuts one long document. Each cut after the
+    first is the start of a pre-token (the pre-tokenizer's pieces of the _WINDOW_CHARS
+    characters from the last cut, a true boundary), the last one at least _WINDOW_MARGIN
+    before their end and away from any added token's text (matched before the
+    pre-tokenizer: "<|endoftext|>" is one token there); where there is none (a run the
+    pre-tokenizer keeps whole), twice the characters."""
+    added = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content]
+    reach = max(map(len, added), default=0) + 64  # an added token's text, and the spaces lstrip / rstrip take
+    cuts, size = [0], _WINDOW_CHARS
+    while len(text) - cuts[-1] > size:
+        window = text[cuts[-1]:cuts[-1] + size]
+        cut = next((a for a in reversed([a for _, (a, _) in tokenizer.pre_tokenizer.pre_tokenize_str(window)])
+                    if 0 < a <= size - _WINDOW_MARGIN and not any(t in window[max(a - reach, 0):a + reach] for t in added)), None)
+        if cut is None:
+            size *= 2
+            continue
+        cuts.append(cuts[-1] + cut)
+        size = _WINDOW_CHARS
+    return cuts + [len(text)]
+
+
+def _encode_long(tokenizer, text: str) -> Optional[np.ndarray]:
+    """The ids [n] int64 of one long document (no post-processing), encoded a window at a
+    time for a tokenizer that _windowed allows, or None where a cut (_cuts) is not a token
+    boundary of its window after all: then encode it whole. Each window runs from
+    a cut to _WINDOW_MARGIN characters past the next one (the regexes' lookahead sees what
+    the whole document's does) and gives the ids of the tokens before that next cut; the
+    windows are encoded a few at a time (encode_batch's threads), so memory stays that of a
+    few windows' encodings whatever the document's length."""
+    cuts = _cuts(tokenizer, text)
+    spans = list(zip(cuts, cuts[1:]))
+    group = max(1, min(os.cpu_count() or 1, 8))
+    ids = []
+    for at in range(0, len(spans), group):
+        chunk = spans[at:at + group]
+        encodings = tokenizer.encode_batch([text[a:b + _WINDOW_MARGIN] for a, b in chunk], add_special_tokens=False)
+        for (a, b), encoding in zip(chunk, encodings):
+            offsets = encoding.offsets
+            k = bisect.bisect_left([start for start, _ in offsets], b - a)
+            if k < len(offsets) and (k == 0 or offsets[k - 1][1] > b - a):  # the cut inside a token: not a boundary after all
+                return None
+            ids.append(np.asarray(encoding.ids[:k], dtype=np.int64))
+    return np.concatenate(ids)
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -306,13 +384,19 @@ def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int,
             if part is not None and (bad := _SURROGATE.search(part)):
                 raise ValueError(f"src: {where} is not valid Unicode: it holds a lone surrogate (U+{ord(bad.group()):04X}, "
                                  "a JSON \\ud800-\\udfff escape without its pair)")
-    encodings = tokenizer.encode_batch([p[1] for p in pending], add_special_tokens=False)
+    long = {}  # a long plain document's ids, encoded a window at a time
+    if any(len(text) > _WINDOW_CHARS and prompt is None and spans is None for _, text, prompt, spans in pending) and _windowed(tokenizer):
+        long = {i: ids for i, (_, text, prompt, spans) in enumerate(pending)
+                if len(text) > _WINDOW_CHARS and prompt is None and spans is None and (ids := _encode_long(tokenizer, text)) is not None}
+    whole = [i for i in range(len(pending)) if i not in long]
+    encodings = dict(zip(whole, tokenizer.encode_batch([pending[i][1] for i in whole], add_special_tokens=False)))
     prompted = pending[0][2] is not None
     prompts = tokenizer.encode_batch([p[2] for p in pending], add_special_tokens=False) if prompted else [None] * len(pending)
     docs, masks = [], []
-    for (where, _, _, spans), encoding, prompt in zip(pending, encodings, prompts):
+    for i, ((where, _, _, spans), prompt) in enumerate(zip(pending, prompts)):
+        encoding = encodings.get(i)
         head = np.asarray(prompt.ids if prompt is not None else [], dtype=np.int64)
-        ids = np.concatenate([head, np.asarray(encoding.ids, dtype=np.int64)])
+        ids = np.concatenate([head, long[i] if i in long else np.asarray(encoding.ids, dtype=np.int64)])
         hits = np.flatnonzero(ids == separator)
         if len(hits):
             if spans is not None:  # a message's text holds it, or the template writes it (an end-of-turn token)

@@ -345,6 +345,46 @@ def test_a_large_json_lines_file_is_streamed_in_batches(tmp_path, tokenizer_path
     assert (tmp_path / "many.u16").read_bytes() == (tmp_path / "one.u16").read_bytes()
 
 
+def test_a_long_document_is_encoded_a_window_at_a_time_to_the_same_ids(tmp_path, tokenizer_path, monkeypatch):
+    """One encode of a whole long document held ~450 bytes per token (a 45 MB text file took
+    7.6 GB): a document longer than _WINDOW_CHARS is cut at pre-token boundaries and encoded
+    a window at a time, its ids those of the whole, byte for byte (here with windows of 64
+    characters: many cuts, by whitespace runs, code, unicode and an added token's text); a
+    run the pre-tokenizer keeps whole takes a window as long as it, and a tokenizer whose
+    normalizer or prefix space makes pieces encode otherwise encodes documents whole."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    tok.add_special_tokens(["<|im_start|>"])
+    tok.save(str(tmp_path / "tok.json"))
+    code = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:6000]
+    texts = {"long.txt": code + "  \n\n   héllo wörld → 🙂🙂 <|im_start|>user\n" * 20 + "x" * 300 + " tail\n",
+             "short.txt": "a short one\n", "run.txt": "y" * 500}
+    _write_texts(tmp_path / "src", texts)
+    whole = prepare(tmp_path / "src", tmp_path / "whole.u16", tokenizer=tmp_path / "tok.json", progress=False)
+    cuts = []
+    real = prepare_module._cuts
+    monkeypatch.setattr(prepare_module, "_cuts", lambda tokenizer, text: cuts.append(found := real(tokenizer, text)) or found)
+    monkeypatch.setattr(prepare_module, "_WINDOW_CHARS", 64)
+    monkeypatch.setattr(prepare_module, "_WINDOW_MARGIN", 8)
+    windowed = prepare(tmp_path / "src", tmp_path / "windowed.u16", tokenizer=tmp_path / "tok.json", progress=False)
+    assert windowed == whole and (tmp_path / "windowed.u16").read_bytes() == (tmp_path / "whole.u16").read_bytes()
+    assert len(cuts) == 2 and len(cuts[0]) > 100 and cuts[1] == [0, 500]  # long.txt in many windows; run.txt has no cut: whole
+    assert any(b - a > 300 for a, b in zip(cuts[0], cuts[0][1:]))  # a window doubled, twice, to hold the run of 300 x
+    long = texts["long.txt"]
+    assert not any(0 < c < len(long) and "<|im_start|>" in long[c - 12:c + 12] for c in cuts[0])
+    assert prepare_module._windowed(tok)
+    text = "import textwrap\n" * 20
+    start, end = next(o for o in tok.encode(text, add_special_tokens=False).offsets if o[1] - o[0] > 1)
+    monkeypatch.setattr(prepare_module, "_cuts", lambda tokenizer, text: [0, start + 1, len(text)])  # a cut inside a token
+    assert prepare_module._encode_long(tok, text) is None  # then the document is encoded whole
+    for pre in (pre_tokenizers.ByteLevel(add_prefix_space=True), pre_tokenizers.Metaspace()):
+        tok.pre_tokenizer = pre
+        assert not prepare_module._windowed(tok)
+    tok.pre_tokenizer, tok.normalizer = pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.NFC()
+    assert not prepare_module._windowed(tok)
+
+
 SFT = [{"prompt": "Q: what is json?", "response": " A: a format.", "id": 0}, {"prompt": "", "response": " only a response", "id": 1},
        {"prompt": "a prompt without an answer", "response": "", "id": 2}, {"prompt": "Q: and string?", "response": " A: a module.", "id": 3}]
 
