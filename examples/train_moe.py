@@ -1040,6 +1040,7 @@ def main(argv: list[str]) -> None:
                 break
     _report_profile(profiler.close(), rank)  # the run ended inside the profiled steps
     logger.close()
+    ended = "stopped" if record is not None and stopping else "done"  # a stopped run is not done: --resume continues it
     if rank == 0 and record is None:
         print(f"done: the run in {cfg.out_dir} is at step {step}, nothing to train up to step {last} "
               f"(--steps={cfg.steps}{f', --stop_at={cfg.stop_at}' if cfg.stop_at > 0 else ''})")
@@ -1047,9 +1048,9 @@ def main(argv: list[str]) -> None:
         sources = record["val_loss_by_source"]
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
         unit = "byte" if corpus.byte_tokens else "token"
-        print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
+        print(f"{ended}: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
     elif rank == 0 and not val_batches:
-        print(f"done: step {step}, loss {record['loss']:.4f} (no validation: --eval_batches=0)")
+        print(f"{ended}: step {step}, loss {record['loss']:.4f} (no validation: --eval_batches=0)")
     if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
         counters = torch._dynamo.utils.counters
         print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")

@@ -251,13 +251,16 @@ def test_the_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continue
     (exit 0), with step 1's checkpoint though --ckpt_every is larger; --resume then logs the
     uninterrupted run's losses."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert _train(whole, "--steps=4", "--deterministic").returncode == 0
-    first = _train(parts, "--steps=4", "--deterministic", "--stop_after_minutes=1e-9")
+    assert _train(whole, "--steps=4", "--deterministic", "--eval_every=1").returncode == 0
+    first = _train(parts, "--steps=4", "--deterministic", "--eval_every=1", "--stop_after_minutes=1e-9")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "step 1: stopping on the time limit of 1e-09 minutes, with the checkpoint of step 1; --resume continues the run" in first.stdout
+    # the last line says the run stopped: "done" (printed before) ended a job loop that resubmits until it is
+    assert re.search(r"^stopped: step 1, validation loss ", first.stdout, flags=re.M) and "done:" not in first.stdout, first.stdout
     assert [r["step"] for r in _records(parts)] == [1] and sorted(p.name for p in parts.glob("step_*")) == ["step_000001"]
-    second = _train(parts, "--steps=4", "--deterministic", "--resume")
+    second = _train(parts, "--steps=4", "--deterministic", "--eval_every=1", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
+    assert re.search(r"^done: step 4, validation loss ", second.stdout, flags=re.M), second.stdout
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
 
