@@ -192,7 +192,10 @@ class ChatTemplate:
             return []  # role alternation refuses a system message alone), which stopped a whole prepare
         render = functools.partial(self.render, tools=tools)
         whole = render(messages, where=where)
-        turns = []  # (messages[:i + 1]'s text, turn i's span in it)
+        # (messages[:i + 1]'s text, turn i's span in it); the text is kept only once a turn's is
+        # not the start of the whole conversation's (then each turn is a document of its own,
+        # and earlier texts are rendered again): the n prefixes held O(n^2) characters
+        turns, prefixes = [], True
         for i, message in enumerate(messages):
             if message["role"] != TRAINED_ROLE:
                 continue
@@ -209,14 +212,17 @@ class ChatTemplate:
                 raise ValueError(f"src: {where}: the chat template ({self.origin}) renders message {i} ({TRAINED_ROLE}) "
                                  "somewhere other than after its generation prompt, so its text cannot be told from the "
                                  "prompt's; choose another --chat_template")
-            turns.append((text, (len(head), len(text))))
+            if prefixes and not whole.startswith(text):
+                prefixes = False
+                turns = [(render(messages[:j + 1], where=f"{where} up to message {j + 1}"), span) for j, (_, span) in turns]
+            turns.append((i, (len(head), len(text))) if prefixes else (text, (len(head), len(text))))
         spans = [span for _, span in turns]
         for (_, end), (start, _) in zip(spans, spans[1:]):
             if start < end:  # the prompt of a later turn is shorter than an earlier turn's text
                 raise ValueError(f"src: {where}: the chat template ({self.origin}) renders the prompt of a later "
                                  f"{TRAINED_ROLE} turn without the text of an earlier one, so the turns' texts cannot be "
                                  "told apart; choose another --chat_template")
-        if all(whole.startswith(text) for text, _ in turns):
+        if prefixes:
             return [(whole, spans)] if turns else []
         return [(text, [span]) for text, span in turns]
 

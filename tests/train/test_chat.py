@@ -415,6 +415,30 @@ def test_an_assistant_turn_that_opens_the_conversation():
             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])  # a later turn still refuses such a template
 
 
+def test_a_long_conversation_holds_no_copy_of_each_prefix():
+    """documents() kept the text of messages[:i + 1] for every assistant turn until the end:
+    O(n^2) characters held (4000 messages: 2.9 GB). Only the spans are kept where every turn
+    sits in the whole rendering; a template that rewrites earlier turns still gets each
+    turn's own text (rendered again)."""
+    import tracemalloc
+
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}: héllo wörld 🙂 " * 3, "reasoning": "r"}
+            for i in range(300)]
+    template = ChatTemplate(CHATML)
+    tracemalloc.start()
+    try:
+        (text, spans), = template.documents(chat)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(spans) == 150 and text == template.render(chat)
+    assert peak < 20 * 4 * len(text), (peak, len(text))  # the prefixes: 150 texts of 16K characters on average, 40 times the whole
+    per_turn = ChatTemplate(REASONING).documents(chat[:6] + [{"role": "user", "content": "last"}, {"role": "assistant", "content": "a",
+                                                                                                  "reasoning": "why"}])
+    assert len(per_turn) == 4 and all(text.endswith(text[a:b]) for text, [(a, b)] in per_turn)
+    assert per_turn[-1][0].endswith("<think>why</think>a<|im_end|>\n")
+
+
 def test_render_names_a_bad_conversation():
     """render is public (README): a None or a list of non-messages raised a TypeError or an
     AttributeError from inside; an empty list renders (the prompt before a first turn)."""
