@@ -41,7 +41,7 @@ Printed: per source and overall, the tokens counted (those with a next token in 
 document), the mean loss, its perplexity and bits per byte (byte corpora) or per token;
 the MTP depths' losses when the model has MTP modules. --json prints one JSON object
 instead: {"loss", "tokens", "perplexity", "bits_per_byte" (or "bits_per_token"),
-"by_source": {name: {the same four}}, "mtp_losses"}. A
+"by_source": {name: {the same four}}, "mtp_losses", "micro_batches"}. A
 source (or MTP depth) with no counted token has no loss (null), and an evaluation with
 none at all stops with an error; a source without a micro-batch is named in a note
 (standard error).
@@ -52,12 +52,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,43 +73,57 @@ from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_scrip
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, batches: list, sources: list[str], *, device: torch.device, meshes=None) -> dict:
-    """The loss sums of `batches` (make_batch TensorDicts), each from the source named in
+def evaluate(model: Transformer, batches: Iterable, sources: Iterable[str], *, device: torch.device, meshes=None) -> dict:
+    """The loss sums of `batches` (make_batch TensorDicts, a list or any iterable: they are
+    read once, in order, one at a time), each from the source named by the same item of
     `sources`: {"loss": mean over every counted token, "tokens": their count, "by_source":
-    {name: {"loss", "tokens"}} in first-seen order, "mtp_losses": [depth d's mean loss]}; a
-    loss over no counted token is None (nothing measured), not 0. One forward per
-    micro-batch, eval mode; the sums stay on the device (float64) until one transfer at the
-    end.
+    {name: {"loss", "tokens"}} in first-seen order, "mtp_losses": [depth d's mean loss],
+    "micro_batches": how many there were}; a loss over no counted token is None (nothing
+    measured), not 0. One forward per micro-batch, eval mode; the sums stay on the device
+    (float64) until one transfer at the end.
 
     meshes: the fmoe.parallel.Meshes a model was parallelized over (under torchrun; every
     rank calls this with the same batches). The data-parallel ranks take turns: batch i
-    runs on dp rank i % dp, and a rank left without one in the last round runs batch 0
-    again and counts nothing (every rank of a sharded model takes part in every forward);
-    each cp rank runs its share of each batch (fmoe.parallel.split_batch); the tp ranks
-    hold the same sums, and one of them counts. The sums are added over every rank in one
-    collective, so each rank returns one process's result (up to float rounding)."""
-    if len(batches) != len(sources) or not batches:
-        raise ValueError(f"batches: expected one source name per batch and at least one batch, got {len(batches)} and {len(sources)}")
+    runs on dp rank i % dp, and a rank left without one in the last round runs the first
+    batch again and counts nothing (every rank of a sharded model takes part in every
+    forward); each cp rank runs its share of each batch (fmoe.parallel.split_batch); the tp
+    ranks hold the same sums, and one of them counts. The sums are added over every rank in
+    one collective, so each rank returns one process's result (up to float rounding)."""
     model.eval()
     dp, dp_rank, cp, cp_rank, counts_here = 1, 0, 1, 0, True
     if meshes is not None:
         dp, dp_rank = meshes.dp, meshes.batch.get_local_rank("dp")
         cp, cp_rank = meshes.cp, meshes.batch.get_local_rank("cp")
         counts_here = meshes.batch.get_local_rank("tp") == 0
-    names = list(dict.fromkeys(sources))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     mtp = [f"mtp_{d}_{kind}" for d in range(1, model.cfg.mtp_depth + 1) for kind in ("sum", "tokens")]  # named as in losses
-    keys = [f"{kind}_{j}" for j in range(len(names)) for kind in ("sum", "tokens")] + mtp
-    sums = dict.fromkeys(keys, torch.zeros((), dtype=torch.float64, device=device))
-    for r in range(-(-len(batches) // dp)):
-        i = r * dp + dp_rank
-        host_batch = batches[i if i < len(batches) else 0]
+    sums, names, first, n, ran = dict.fromkeys(mtp, zero), [], None, 0, 0
+
+    def forward(host_batch):
         batch = (parallel.split_batch(host_batch, cp_rank, cp) if cp > 1 else host_batch).to(device)
-        losses, _ = model(batch, model.context(batch))
-        if i >= len(batches) or not counts_here:
-            continue
-        j = names.index(sources[i])
-        for key, name in ((f"sum_{j}", "lm_sum"), (f"tokens_{j}", "lm_tokens"), *zip(mtp, mtp)):
-            sums[key] = sums[key] + losses[name].double()
+        return model(batch, model.context(batch))[0]
+
+    try:
+        for i, (host_batch, source) in enumerate(zip(batches, sources, strict=True)):
+            n, first = i + 1, host_batch if first is None else first
+            if source not in names:  # every rank reads every item: the same keys everywhere
+                names.append(source)
+                sums |= {f"sum_{len(names) - 1}": zero, f"tokens_{len(names) - 1}": zero}
+            if i % dp != dp_rank:
+                continue
+            losses, ran = forward(host_batch), ran + 1
+            if counts_here:
+                j = names.index(source)
+                for key, name in ((f"sum_{j}", "lm_sum"), (f"tokens_{j}", "lm_tokens"), *zip(mtp, mtp)):
+                    sums[key] = sums[key] + losses[name].double()
+    except ValueError as err:
+        if "zip()" not in str(err):
+            raise
+        n = -1  # one ran out before the other
+    if n < 1:
+        raise ValueError(f"batches: expected one source name per batch and at least one batch, got {'none' if n == 0 else 'more of one than of the other'}")
+    if ran < -(-n // dp):  # the last round's forward, which every rank of a sharded model takes part in
+        forward(first)
     if meshes is not None:
         sums = parallel.all_reduce_sums(sums, meshes.stage_mesh)
     host = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one device -> host transfer
@@ -117,14 +132,17 @@ def evaluate(model: Transformer, batches: list, sources: list[str], *, device: t
                  for j, name in enumerate(names)}
     tokens = sum(r["tokens"] for r in by_source.values())
     return dict(loss=mean(sum(host[f"sum_{j}"] for j in range(len(names))), tokens), tokens=tokens, by_source=by_source,
-                mtp_losses=[mean(host[f"mtp_{d}_sum"], host[f"mtp_{d}_tokens"]) for d in range(1, model.cfg.mtp_depth + 1)])
+                mtp_losses=[mean(host[f"mtp_{d}_sum"], host[f"mtp_{d}_tokens"]) for d in range(1, model.cfg.mtp_depth + 1)],
+                micro_batches=n)
 
 
 def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches: int, mtp_depth: int,
                  whole_documents: bool = False) -> tuple[list, list[str]]:
     """(micro-batches, their sources) of `corpus` (a Blend): the split's validation batches
-    as the loop draws them (n_batches > 0), or every whole micro-batch of every source (0:
-    a source of fewer than `tokens` tokens has none); whole_documents as for
+    as the loop draws them (n_batches > 0: two lists), or every whole micro-batch of every
+    source (0: a source of fewer than `tokens` tokens has none), made one at a time as they
+    are read (two iterators to read together, as evaluate does: a list of every micro-batch
+    of a large split held ~55 bytes per token); whole_documents as for
     fmoe.train.data.Sampler. The val split needs no training documents (val_percent=100)."""
     if split not in ("val", "train", "all"):
         raise ValueError(f"--split: expected val, train or all, got {split!r}")
@@ -137,15 +155,14 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
     if n_batches:
         return (corpus.validation_batches(tokens, n_batches, mtp_depth=mtp_depth, whole_documents=whole_documents),
                 corpus.validation_sources(n_batches))
-    batches, sources = [], []
-    for name, dataset in zip(corpus.names, corpus.datasets):  # each source's documents in stored order, once
-        if dataset.n_tokens < tokens:  # not one micro-batch without repeating documents
-            continue
-        batches += dataset.stored_batches(tokens, mtp_depth=mtp_depth, whole_documents=whole_documents)
-        sources += [name] * (len(batches) - len(sources))
-    if not batches:
+    kept = [(name, dataset) for name, dataset in zip(corpus.names, corpus.datasets)
+            if dataset.n_tokens >= tokens]  # fewer: not one micro-batch without repeating documents
+    if not kept:
         raise ValueError(f"--tokens_per_micro_batch: no source of the {split} split holds {tokens} tokens")
-    return batches, sources
+    pairs = ((batch, name) for name, dataset in kept  # each source's documents in stored order, once
+             for batch in dataset.stored_batches(tokens, mtp_depth=mtp_depth, whole_documents=whole_documents))
+    these, those = itertools.tee(pairs)  # read in step, the tee holds at most one item
+    return (batch for batch, _ in these), (name for _, name in those)
 
 
 def read_choices(path: Path, encode: Optional[Callable], *, limit: int = 0) -> list[dict]:
@@ -384,8 +401,8 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError) as err:
         refusal = str(err) if str(err).startswith("data:") else f"data: {err}"  # load_blend's errors name the data already
     # each rank read the data itself: a file one node lacks (or holds another copy of) stops every rank, said once
-    refusal, _ = every_rank(refusal, None if refusal else (len(corpus), corpus.n_tokens, len(batches)), lambda every: (
-        "--data: the ranks read different data (" + "; ".join(f"rank {r}: {d[0]} documents, {d[1]:,} tokens, {d[2]} micro-batches"
+    refusal, _ = every_rank(refusal, None if refusal else (len(corpus), corpus.n_tokens), lambda every: (
+        "--data: the ranks read different data (" + "; ".join(f"rank {r}: {d[0]} documents, {d[1]:,} tokens"
                                                                for r, d in enumerate(every))
         + "); each rank reads the files itself: every node must hold the same ones"))
     if refusal:
@@ -393,11 +410,11 @@ def main(argv: list[str]) -> None:
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
         result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if not result["tokens"]:  # no loss to report: 0 would read as a perfect model
-        sys.exit(f"--tokens_per_micro_batch, --batches: no token was counted in {len(batches)} micro-batch(es) of {tokens} tokens (a token "
+        sys.exit(f"--tokens_per_micro_batch, --batches: no token was counted in {result['micro_batches']} micro-batch(es) of {tokens} tokens (a token "
                  "counts when the next one is in its document and micro-batch, and its label is not masked); give more tokens per "
                  "micro-batch, more --batches, or other --data")
     if rank == 0:
-        for name in (n for n in corpus.names if n not in sources):  # a source without a micro-batch has no row: say so
+        for name in (n for n in corpus.names if n not in result["by_source"]):  # a source without a micro-batch has no row: say so
             why = (f"it holds fewer than one micro-batch of {tokens} tokens (--tokens_per_micro_batch) in the {args.split} split"
                    if not n_batches else f"its weight's share of the {n_batches} --batches is none")
             print(f"note: source {name!r} is left out: {why}", file=sys.stderr)

@@ -104,12 +104,41 @@ def test_every_whole_micro_batch_of_other_data(run_dir, docs):
 
     corpus = load_blend(str(docs), vocab_size=258)
     batches, sources = evaluate.data_batches(corpus, split="all", val_percent=5, tokens=256, n_batches=0, mtp_depth=1)
-    assert len(batches) == corpus.n_tokens // 256 >= 20 and len(set(sources)) == 1
+    batches, sources = list(batches), list(sources)  # made as they are read: evaluate reads them once
+    assert len(batches) == corpus.n_tokens // 256 >= 20 and len(set(sources)) == 1 and result["micro_batches"] == len(batches)
     assert result["tokens"] == sum(int(b["loss_mask"].sum()) for b in batches) > 0.9 * len(batches) * 256
     # the same batches through the function, in this process
     model, _ = evaluate.load_model(out)
     again = evaluate.evaluate(model, batches, sources, device=torch.device("cpu"))
     assert again["loss"] == pytest.approx(result["loss"], rel=1e-6) and again["tokens"] == result["tokens"]
+
+
+def test_every_micro_batch_is_made_as_it_is_read(run_dir, docs):
+    """--batches=0 made a list of every micro-batch of the split before the first forward
+    (~55 bytes per token: a 1B-token split held 55 GB): data_batches now makes each as
+    evaluate reads it, one ahead of the forwards at most, and a mismatch of batches and
+    sources is a ValueError."""
+    from fmoe.train.data import load_blend
+
+    out, _ = run_dir
+    model, _ = evaluate.load_model(out)
+    batches, sources = evaluate.data_batches(load_blend(str(docs), vocab_size=258), split="all", val_percent=5, tokens=256, n_batches=0,
+                                             mtp_depth=1)
+    made, ahead = [], []
+
+    def counted(items):
+        for item in items:
+            made.append(1)
+            yield item
+
+    model.register_forward_pre_hook(lambda module, args: ahead.append(len(made) - len(ahead)))
+    result = evaluate.evaluate(model, counted(batches), sources, device=torch.device("cpu"))
+    assert result["micro_batches"] == len(made) == len(ahead) >= 20 and set(ahead) == {1}, ahead
+    with pytest.raises(ValueError, match="^batches: expected one source name per batch and at least one batch"):
+        evaluate.evaluate(model, [], [], device=torch.device("cpu"))
+    one, = evaluate.data_batches(load_blend(str(docs), vocab_size=258), split="all", val_percent=5, tokens=256, n_batches=1, mtp_depth=1)[0]
+    with pytest.raises(ValueError, match="^batches: expected one source name per batch .* more of one than of the other"):
+        evaluate.evaluate(model, [one, one], ["a"], device=torch.device("cpu"))
 
 
 def test_a_token_file_without_an_index_takes_separator_and_data_dtype(run_dir, tmp_path):
