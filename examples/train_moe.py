@@ -727,6 +727,13 @@ def main(argv: list[str]) -> None:
                          for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
               f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
+        for name, d in zip(train_set.names, train_set.datasets):  # a corpus in one file is not shuffled: say so
+            big = int(d.lengths.argmax()) if len(d) else 0
+            if len(d) and d.lengths[big] >= d.n_tokens / 4 and d.lengths[big] > 8 * first_step:
+                print(f"note: one document{f' ({d.names[big]})' if d.names else ''} holds {d.lengths[big] / d.n_tokens:.0%} of the training "
+                      f"tokens of {name if len(train_set.names) > 1 else 'the data'} ({d.lengths[big] // first_step:,} steps of them): the "
+                      "sampler shuffles documents, not the windows of one, so its micro-batches come as one run of consecutive text; "
+                      "split it into documents (files, or separator ids in a token file) to shuffle it", flush=True)
         gib = {k: round(plan[k] / 2**30, 4) for k in ("params", "grads", "optimizer", "total")}
         print(f"memory per rank (theory, before activations): parameters {gib['params']} GiB, gradients {gib['grads']} GiB, "
               f"optimizer states {gib['optimizer']} GiB, total {gib['total']} GiB"

@@ -246,6 +246,23 @@ def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path)
     assert len(_records(tmp_path / "on")) == 3
 
 
+def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
+    """A corpus concatenated into one file is one document: the sampler shuffles documents,
+    so its windows came in order, step after step, without a word. The run says so."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"doc{i}.txt").write_text(f"document {i}: " + "some text. " * 20)
+    (data / "all.txt").write_text("a corpus someone concatenated. " * 400)
+    run = _train(tmp_path / "run", f"--data={data}", "--steps=3", "--eval_batches=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^note: one document \(all\.txt\) holds 9\d% of the training tokens of the data \(\d+ steps of them\): the "
+                     r"sampler shuffles documents", run.stdout, flags=re.M), run.stdout
+    (data / "all.txt").unlink()
+    run = _train(tmp_path / "run2", f"--data={data}", "--steps=3", "--eval_batches=0")
+    assert run.returncode == 0 and "note: one document" not in run.stdout, run.stdout
+
+
 def test_the_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(tmp_path):
     """--stop_after_minutes: a limit already passed at the end of step 1 stops the run there
     (exit 0), with step 1's checkpoint though --ckpt_every is larger; --resume then logs the
