@@ -327,14 +327,34 @@ def load_stdlib(*, include_tests: bool = False) -> TokenDataset:
     return _byte_dataset(root, _walk_files(root, lambda name: name.endswith(".py"), lambda name: name not in skip))
 
 
-def _walk_files(root: Path, keep_file: Callable[[str], bool], enter_dir: Callable[[str], bool]) -> list[str]:
-    """The regular files below root (symlinks to files included, symlinked directories not
-    entered) whose name keep_file keeps, in the directories whose names enter_dir lets the
-    walk into (never walked at all: the stdlib's site-packages, a corpus' .git), as POSIX
-    paths relative to root."""
-    rels = []
-    for top, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if enter_dir(d)]
+def _walk_files(root: Path, keep_file: Callable[[str], bool], enter_dir: Callable[[str], bool], *, follow: bool = False) -> list[str]:
+    """The regular files below root (symlinks to files included; symlinked directories
+    entered with `follow`, each directory once: a link back up, or to a directory the tree
+    holds or another link reached first (in sorted order), adds nothing) whose name
+    keep_file keeps, in the directories whose names enter_dir lets the walk into (never
+    walked at all: the stdlib's site-packages, a corpus' .git), as POSIX paths relative to
+    root."""
+
+    def walk(links: bool):
+        for top, dirs, files in os.walk(root, followlinks=links):
+            dirs[:] = sorted(d for d in dirs if enter_dir(d))
+            yield top, dirs, files
+
+    rels, below_link = [], set()  # below_link: walked paths through a followed link
+    seen = {os.path.realpath(top) for top, _, _ in walk(False)} if follow else set()  # the tree's own directories
+    for top, dirs, files in walk(follow):
+        if follow:
+            kept = []
+            for d in dirs:
+                path = os.path.join(top, d)
+                if top in below_link or os.path.islink(path):
+                    real = os.path.realpath(path)
+                    if real in seen:
+                        continue
+                    seen.add(real)
+                    below_link.add(path)
+                kept.append(d)
+            dirs[:] = kept
         rel_top = Path(top).relative_to(root)
         rels += [(rel_top / f).as_posix() for f in files if keep_file(f) and os.path.isfile(os.path.join(top, f))]
     return rels
@@ -348,11 +368,11 @@ def _existing(path: Union[str, os.PathLike]) -> Path:
 
 
 def list_text_files(root: Union[str, os.PathLike]) -> list[str]:
-    """The files of a text corpus directory: every regular file below `root` (recursively;
-    files and directories whose name starts with '.' are skipped), as sorted POSIX paths
-    relative to root."""
+    """The files of a text corpus directory: every regular file below `root` (recursively,
+    into symlinked directories too, each directory once; files and directories whose name
+    starts with '.' are skipped), as sorted POSIX paths relative to root."""
     root = Path(root)
-    return sorted(_walk_files(root, lambda name: not name.startswith("."), lambda name: not name.startswith(".")))
+    return sorted(_walk_files(root, lambda name: not name.startswith("."), lambda name: not name.startswith("."), follow=True))
 
 
 def load_text_dir(path: Union[str, os.PathLike]) -> TokenDataset:

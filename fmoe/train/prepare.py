@@ -6,7 +6,8 @@
     python -m fmoe.train.prepare dump.jsonl.gz data/dump.u16 --tokenizer=tok.json --text_key=content
 
 SRC is a directory (every file below it, as fmoe.train.data.list_text_files selects them:
-recursive, dot-files and dot-directories skipped, sorted relative paths) or one file. By
+recursive, into linked directories too, each once, dot-files and dot-directories skipped,
+sorted relative paths) or one file. By
 its name (case-insensitive) a file is:
 
     *.jsonl, *.ndjson (+ .gz)   JSON Lines: each line an object, its --text_key string one

@@ -10,7 +10,7 @@ import torch
 
 from fmoe.train.data import (
     BYTE_VOCAB_SIZE, EOS, IGNORE_INDEX, PAD, Sampler, TokenDataset, decode_text, encode_text,
-    load_corpus, load_stdlib, load_text_dir, load_token_file, make_batch,
+    list_text_files, load_corpus, load_stdlib, load_text_dir, load_token_file, make_batch,
 )
 
 
@@ -312,7 +312,8 @@ def test_text_dir(tmp_path):
     (tmp_path / ".git" / "objects" / "pack").write_text("skip me")
     (tmp_path / "dir.txt").mkdir()  # a directory is no document, whatever its name
     (tmp_path / "sub" / "link.txt").symlink_to(tmp_path / "b.txt")  # a link to a file is one
-    (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # a linked directory is not entered
+    (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # the tree's own directory: read once, as itself
+    (tmp_path / "sub" / "up").symlink_to(tmp_path, target_is_directory=True)  # a link back up: no loop
     ds = load_text_dir(tmp_path)
     assert ds.names == ["a.txt", "b.txt", "sub/c.md", "sub/link.txt"] and ds.vocab_size == BYTE_VOCAB_SIZE
     assert decode_text(ds.document(0)) == "first ü"
@@ -320,6 +321,24 @@ def test_text_dir(tmp_path):
     assert load_corpus(tmp_path).names == ds.names
     b = Sampler(ds, 10, seed=0, shuffle=False).next_batch()
     assert b["cu_seqlens"].tolist() == [0, len("first ü".encode()) + 1, 10]
+
+
+def test_a_corpus_of_linked_directories_is_read_through_them(tmp_path):
+    """A corpus put together from links to other directories read as empty ("no non-empty
+    files"): a linked directory outside the tree is entered, each directory once (two links
+    to one, or a link inside one to another, add nothing), in sorted order."""
+    (tmp_path / "store" / "web" / "deep").mkdir(parents=True)
+    (tmp_path / "store" / "web" / "w.txt").write_text("web text")
+    (tmp_path / "store" / "web" / "deep" / "d.txt").write_text("deep text")
+    (tmp_path / "store" / "code").mkdir()
+    (tmp_path / "store" / "code" / "c.py").write_text("x = 1")
+    (tmp_path / "store" / "code" / "web").symlink_to(tmp_path / "store" / "web", target_is_directory=True)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, target in (("a_web", "web"), ("b_code", "code"), ("c_deep", "web/deep")):
+        (corpus / name).symlink_to(tmp_path / "store" / target, target_is_directory=True)
+    assert list_text_files(corpus) == ["a_web/w.txt", "b_code/c.py", "c_deep/d.txt"]  # deep claimed by its own link, met first
+    assert load_text_dir(corpus).names == list_text_files(corpus)
 
 
 @pytest.mark.parametrize("dtype,suffix", [("uint16", ".u16"), ("uint32", ".uint32")])
