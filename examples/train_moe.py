@@ -308,9 +308,6 @@ def parse_args(argv: list[str]) -> Config:
         sys.exit(f"--clip: expected a max norm > 0 (inf: no clipping), got {cfg.clip}")
     if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
         sys.exit(f"--out_dir: {cfg.out_dir} exists and is not a directory")
-    if not cfg.resume and (earlier := checkpoint.latest(cfg.out_dir)):  # its checkpoints would mix with this run's
-        sys.exit(f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "
-                 "that run; for a new one give another --out_dir, or delete them")
     base = cfg.model
     if not 0.0 <= cfg.upcycle_drop <= 1.0 or cfg.upcycle_drop and not cfg.upcycle_from:
         sys.exit(f"--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got {cfg.upcycle_drop!r}"
@@ -465,6 +462,13 @@ def main(argv: list[str]) -> None:
                                     **({"timeout": datetime.timedelta(minutes=cfg.collective_timeout)} if cfg.collective_timeout else {}))
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
+    # a new run in a folder of an earlier run's checkpoints: they would mix with this run's (each rank looks: one
+    # node alone seeing them stops every rank at once, not that rank alone a minute after the others went on)
+    earlier = None if cfg.resume else checkpoint.latest(cfg.out_dir)
+    if refusal := every_rank(None if earlier is None else (
+            f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "
+            "that run; for a new one give another --out_dir, or delete them"))[0]:
+        sys.exit(refusal)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     # the vocabulary of token files without an index: the model's where it is given (--model.vocab_size, or a released or

@@ -363,7 +363,8 @@ def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
     last stage holds the MTP module a checkpoint of mtp_depth=0 lacks (before, that rank
     alone refused, a minute later, while rank 0 waited in the load); ranks whose token files'
     indexes give other vocabularies (rank 1's copy of the data) build other models and stop
-    (before, they trained on, each its own model)."""
+    (before, they trained on, each its own model); a new run's out_dir where one rank sees an
+    earlier run's checkpoints."""
     _train(tmp_path / "no_mtp", 1, "--model.mtp_depth=0", "--stop_at=1")
     done = _one_rank_fault("none", "train_moe", f"--out_dir={tmp_path / 'pp'}", *TINY, "--pp=2", f"--init_from={tmp_path / 'no_mtp'}")
     said = f"--init_from: rank 1: path: the model of '{tmp_path / 'no_mtp' / 'step_000001'}' differs from this one: mtp.0.proj (not saved)"
@@ -379,6 +380,11 @@ def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
                            other_path=f"{tmp_path / 'a'}=>{tmp_path / 'b'}")
     said = "--data, --init_from_hf: the ranks built different models from their files (rank 0: vocab_size=300; rank 1: vocab_size=400)"
     assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+    # a new run's out_dir: rank 1's view holds an earlier run's checkpoints (before, it alone refused, a minute later)
+    done = _one_rank_fault("other_path", "train_moe", f"--out_dir={tmp_path / 'fresh'}", *TINY, other_path=f"{tmp_path / 'fresh'}=>{tmp_path / 'no_mtp'}")
+    said = f"rank 1: --out_dir: {tmp_path / 'no_mtp'} holds an earlier run's checkpoints (the newest step_000001)"
+    assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_upcycling_ranks_agree_on_the_dense_checkpoint_they_read(tmp_path):
