@@ -237,6 +237,30 @@ def _differing_models(every: list) -> str:
         f"rank {r}: " + ", ".join(f"{k}={b[k]}" for k in differ) for r, b in enumerate(built)) + "); every node must hold the same files")
 
 
+SCHEDULE_KNOBS = ("steps", "lr", "min_lr", "init_lr", "warmup", "lr_style", "wsd_decay", "wsd_style")
+
+
+def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.Optional[str]:
+    """A note where a resumed run's learning rate for step+1, `lr` (this run's schedule),
+    is not what the run's own schedule gave (its config.json: --steps raised to extend a
+    cosine or WSD run sends it back up), naming the schedule knobs that changed; None where
+    it is the same, or the run's config.json holds no schedule to compare with."""
+    try:
+        run = json.loads((Path(out_dir) / "config.json").read_text())
+        was = run["config"]
+        style = was["lr_style"]
+        then = was["lr"] * lr_at(step, max_lr=1.0, total=was["steps"], warmup=run["warmup"], min_lr=(
+            was["min_lr"] if was["min_lr"] >= 0 else was["lr"] / 10) / was["lr"], init_lr=was["init_lr"] / was["lr"], style=style,
+            wsd_decay=run["wsd_decay"] if style == "wsd" else 0, wsd_style=was["wsd_style"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):  # no config.json, or one of another version
+        return None
+    if math.isclose(then, lr, rel_tol=1e-9, abs_tol=1e-15):
+        return None
+    changed = ", ".join(f"--{k}={getattr(cfg, k)} (was {was[k]})" for k in SCHEDULE_KNOBS if k in was and was[k] != getattr(cfg, k))
+    return (f"note: step {step + 1} runs at a learning rate of {lr:.4g} by this run's schedule, where the run's own gave {then:.4g}"
+            + (f": {changed}" if changed else "") + "; a resumed run follows the schedule of its knobs")
+
+
 def _pp_knobs(err: ValueError) -> str:
     """A pipeline error in the knobs' words: the stage sizes Pipeline calls layers_per_stage are --pp_layers."""
     return str(err).replace("layers_per_stage", "--pp_layers")
@@ -664,6 +688,8 @@ def main(argv: list[str]) -> None:
         checkpoint.set_rng_state(extra["rng"])
         if rank == 0:
             print(f"resumed from {path} at step {step}")
+            if step < last and (note := _schedule_change(cfg.out_dir, step, cfg, cfg.lr * lr_at(step, **schedule))):
+                print(note, flush=True)
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:
             path = checkpoint.load_model(cfg.init_from, model=parts)

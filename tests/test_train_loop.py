@@ -246,6 +246,22 @@ def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path)
     assert len(_records(tmp_path / "on")) == 3
 
 
+def test_a_resume_whose_schedule_changed_says_so(tmp_path):
+    """--resume --steps=N larger than the run's (extending it) rebuilds the schedule from N:
+    a cosine run's learning rate went back up at the resume without a word. The run says
+    which knobs changed it and from what; a resume on the run's own schedule says nothing."""
+    out = tmp_path / "run"
+    assert _train(out, "--steps=4", "--eval_batches=0", "--warmup=1", "--stop_at=2").returncode == 0
+    same = _train(out, "--steps=4", "--eval_batches=0", "--warmup=1", "--stop_at=3", "--resume")
+    assert same.returncode == 0 and "resumed from" in same.stdout and "note: step" not in same.stdout, same.stdout
+    longer = _train(out, "--steps=8", "--eval_batches=0", "--warmup=1", "--resume")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    lr = {r["step"]: r["lr"] for r in _records(out)}
+    said = re.search(r"^note: step 4 runs at a learning rate of ([\d.e-]+) by this run's schedule, where the run's own gave ([\d.e-]+): "
+                     r"--steps=8 \(was 4\); a resumed run follows the schedule of its knobs$", longer.stdout, flags=re.M)
+    assert said and float(said.group(1)) == pytest.approx(lr[4], rel=1e-3) and float(said.group(2)) < float(said.group(1)), longer.stdout
+
+
 def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
     """A corpus concatenated into one file is one document: the sampler shuffles documents,
     so its windows came in order, step after step, without a word. The run says so."""
