@@ -72,10 +72,12 @@ vocab_size and dtype. Documents are read and encoded in batches of about 4M char
 (encode_batch runs on the tokenizer's threads; a large JSON Lines or Parquet file is
 streamed, never read whole) and streamed to disk; progress goes to stderr about once a
 second. A text document longer than 512K characters (a book, a dump nobody split) is
-encoded a window at a time, cut at the pre-tokenizer's piece boundaries, to the same ids:
-one encode of it held about 450 bytes per token (a 45 MB file took 7.6 GB), the windows a
-few windows' worth, at the cost of one more pass of the pre-tokenizer (a tokenizer with a
-normalizer, or one that adds a prefix space to each input, encodes it whole, as before). Output is atomic: both files are written under hidden
+encoded a window at a time, cut at the pre-tokenizer's piece boundaries, to the same ids,
+and a text file larger than 16 MB is read 4 MB at a time as it is encoded: one encode of a
+whole document held about 450 bytes per token (a 45 MB file took 7.6 GB; now 0.68 GB, the
+process's 0.4 GB included), at the cost of one more pass of the pre-tokenizer (a tokenizer
+with a normalizer, or one that adds a prefix space to each input, reads and encodes each
+document whole, as before). Output is atomic: both files are written under hidden
 temporary names in OUT's directory and renamed into place at the end, the index last (an
 older index and loss mask are removed first), so a failed or interrupted run leaves no
 final name.
@@ -85,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import codecs
 import contextlib
 import gzip
 import json
@@ -94,7 +97,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 
@@ -112,6 +115,8 @@ _BATCH_CHARS = 1 << 22
 # (a 45 MB text file: 7.6 GB), and the windows' ids are the whole document's, id for id
 _WINDOW_CHARS = 1 << 19
 _WINDOW_MARGIN = 1 << 12  # characters before a window's end that its cut leaves out: the regexes' lookahead
+_STREAM_BYTES = 1 << 24  # a larger text file is read _READ_BYTES at a time as it is encoded (_text_file_ids), never whole
+_READ_BYTES = 1 << 22
 # pre-tokenizers that cut a text into pieces by looking at the text alone (no prefix added to
 # each input): a piece boundary far from a window's end is the whole document's
 _LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "Sequence")
@@ -319,50 +324,85 @@ def _windowed(tokenizer) -> bool:
     return config.get("normalizer") is None and local(config.get("pre_tokenizer"))
 
 
-def _cuts(tokenizer, text: str) -> list[int]:
-    """[0, c1, ..., len(text)]: where _encode_long cuts one long document. Each cut after the
-    first is the start of a pre-token (the pre-tokenizer's pieces of the _WINDOW_CHARS
-    characters from the last cut, a true boundary), the last one at least _WINDOW_MARGIN
-    before their end and away from any added token's text (matched before the
-    pre-tokenizer: "<|endoftext|>" is one token there); where there is none (a run the
-    pre-tokenizer keeps whole), twice the characters."""
+def _windowed_ids(tokenizer, chunks: Iterable[str]) -> Iterator[tuple[np.ndarray, int]]:
+    """(ids [n] int64, where they end in characters of the text) of one document given as
+    successive pieces of its text (`chunks`: the whole text, or a file read a part at a
+    time), a window at a time, for a tokenizer that _windowed allows; their concatenation
+    is the whole text's ids (no post-processing). A window runs from the last cut to
+    _WINDOW_MARGIN characters past the next one (the regexes' lookahead sees what the whole
+    text's does) and gives the ids of the tokens before that next cut. A cut is the start of
+    a pre-token (the pre-tokenizer's pieces of the _WINDOW_CHARS characters from the last
+    cut, itself a true boundary), the last one at least _WINDOW_MARGIN before their end and
+    away from any added token's text (those are matched before the pre-tokenizer:
+    "<|endoftext|>" is one token there), where the window's encoding has a token boundary
+    too; where there is none (a run the pre-tokenizer keeps whole), twice the characters are
+    tried. Memory: a few windows' encodings and the text not yet cut."""
     added = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content]
     reach = max(map(len, added), default=0) + 64  # an added token's text, and the spaces lstrip / rstrip take
-    cuts, size = [0], _WINDOW_CHARS
-    while len(text) - cuts[-1] > size:
-        window = text[cuts[-1]:cuts[-1] + size]
+    chunks, text, size, ended, done = iter(chunks), "", _WINDOW_CHARS, False, 0
+    while True:
+        while not ended and len(text) <= size:
+            piece = next(chunks, None)
+            ended = piece is None
+            text += piece or ""
+        if len(text) <= size:  # the end
+            if text:
+                yield np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64), done + len(text)
+            return
+        window = text[:size]
         cut = next((a for a in reversed([a for _, (a, _) in tokenizer.pre_tokenizer.pre_tokenize_str(window)])
                     if 0 < a <= size - _WINDOW_MARGIN and not any(t in window[max(a - reach, 0):a + reach] for t in added)), None)
-        if cut is None:
-            size *= 2
-            continue
-        cuts.append(cuts[-1] + cut)
-        size = _WINDOW_CHARS
-    return cuts + [len(text)]
+        if cut is not None:
+            encoding = tokenizer.encode(text[:cut + _WINDOW_MARGIN], add_special_tokens=False)
+            k = bisect.bisect_left([start for start, _ in encoding.offsets], cut)
+            if 0 < k < len(encoding.offsets) and encoding.offsets[k - 1][1] <= cut:  # a token boundary there too
+                done += cut
+                yield np.asarray(encoding.ids[:k], dtype=np.int64), done
+                text, size = text[cut:], _WINDOW_CHARS
+                continue
+        size *= 2
 
 
-def _encode_long(tokenizer, text: str) -> Optional[np.ndarray]:
-    """The ids [n] int64 of one long document (no post-processing), encoded a window at a
-    time for a tokenizer that _windowed allows, or None where a cut (_cuts) is not a token
-    boundary of its window after all: then encode it whole. Each window runs from
-    a cut to _WINDOW_MARGIN characters past the next one (the regexes' lookahead sees what
-    the whole document's does) and gives the ids of the tokens before that next cut; the
-    windows are encoded a few at a time (encode_batch's threads), so memory stays that of a
-    few windows' encodings whatever the document's length."""
-    cuts = _cuts(tokenizer, text)
-    spans = list(zip(cuts, cuts[1:]))
-    group = max(1, min(os.cpu_count() or 1, 8))
-    ids = []
-    for at in range(0, len(spans), group):
-        chunk = spans[at:at + group]
-        encodings = tokenizer.encode_batch([text[a:b + _WINDOW_MARGIN] for a, b in chunk], add_special_tokens=False)
-        for (a, b), encoding in zip(chunk, encodings):
-            offsets = encoding.offsets
-            k = bisect.bisect_left([start for start, _ in offsets], b - a)
-            if k < len(offsets) and (k == 0 or offsets[k - 1][1] > b - a):  # the cut inside a token: not a boundary after all
-                return None
-            ids.append(np.asarray(encoding.ids[:k], dtype=np.int64))
-    return np.concatenate(ids)
+def _text_file_ids(tokenizer, path: Path) -> Iterator[tuple[np.ndarray, int]]:
+    """_windowed_ids of a UTF-8 text file read _READ_BYTES at a time, never whole (a byte-order
+    mark at its start dropped); a ValueError for bytes that are not UTF-8 or a NUL byte, as
+    _documents says them."""
+
+    def chunks() -> Iterator[str]:
+        decoder, at = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(_READ_BYTES)
+                held = len(decoder.getstate()[0])  # a character's first bytes, from the last read
+                try:
+                    text = decoder.decode(data, final=not data)
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"src: {str(path)!r} is not valid UTF-8 ({err.reason} at byte {at - held + err.start})") from None
+                if b"\0" in data:
+                    raise ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {at + data.index(0)}), which text does not; "
+                                     "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
+                yield text.removeprefix("\ufeff") if at == 0 else text
+                if not data:
+                    return
+                at += len(data)
+
+    return _windowed_ids(tokenizer, chunks())
+
+
+def _check_ids(tokenizer, ids: np.ndarray, where: str, *, separator: int, vocab_size: int, spans=None, at: int = 0) -> None:
+    """ValueError for a document's ids (from its token `at` on) that hold the separator (it
+    would read back as two documents) or an id beyond the vocabulary."""
+    hits = np.flatnonzero(ids == separator)
+    if len(hits):
+        if spans is not None:  # a message's text holds it, or the template writes it (an end-of-turn token)
+            raise ValueError(f"src: {where} already holds the separator id {separator} ({tokenizer.id_to_token(separator)!r}, token "
+                             f"{at + int(hits[0])} of the rendered conversation): a message's text holds it or the chat template "
+                             "writes it (as an end-of-turn token: then no conversation can be prepared with it); remove it from "
+                             "the text, or choose a separator the template never writes with --separator=<token or id>")
+        raise ValueError(f"src: {where} already holds the separator id {separator} (token {at + int(hits[0])} of the "
+                         "document); remove it from the text or choose another --separator")
+    if len(ids) and int(ids.max()) >= vocab_size:
+        raise ValueError(f"tokenizer: it gave id {int(ids.max())} for {where}, not below its vocab_size {vocab_size}")
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -387,8 +427,8 @@ def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int,
                                  "a JSON \\ud800-\\udfff escape without its pair)")
     long = {}  # a long plain document's ids, encoded a window at a time
     if any(len(text) > _WINDOW_CHARS and prompt is None and spans is None for _, text, prompt, spans in pending) and _windowed(tokenizer):
-        long = {i: ids for i, (_, text, prompt, spans) in enumerate(pending)
-                if len(text) > _WINDOW_CHARS and prompt is None and spans is None and (ids := _encode_long(tokenizer, text)) is not None}
+        long = {i: np.concatenate([ids for ids, _ in _windowed_ids(tokenizer, [text])])
+                for i, (_, text, prompt, spans) in enumerate(pending) if len(text) > _WINDOW_CHARS and prompt is None and spans is None}
     whole = [i for i in range(len(pending)) if i not in long]
     encodings = dict(zip(whole, tokenizer.encode_batch([pending[i][1] for i in whole], add_special_tokens=False)))
     prompted = pending[0][2] is not None
@@ -398,17 +438,7 @@ def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int,
         encoding = encodings.get(i)
         head = np.asarray(prompt.ids if prompt is not None else [], dtype=np.int64)
         ids = np.concatenate([head, long[i] if i in long else np.asarray(encoding.ids, dtype=np.int64)])
-        hits = np.flatnonzero(ids == separator)
-        if len(hits):
-            if spans is not None:  # a message's text holds it, or the template writes it (an end-of-turn token)
-                raise ValueError(f"src: {where} already holds the separator id {separator} ({tokenizer.id_to_token(separator)!r}, token "
-                                 f"{int(hits[0])} of the rendered conversation): a message's text holds it or the chat template "
-                                 "writes it (as an end-of-turn token: then no conversation can be prepared with it); remove it from "
-                                 "the text, or choose a separator the template never writes with --separator=<token or id>")
-            raise ValueError(f"src: {where} already holds the separator id {separator} (token {int(hits[0])} of the "
-                             "document); remove it from the text or choose another --separator")
-        if len(ids) and int(ids.max()) >= vocab_size:
-            raise ValueError(f"tokenizer: it gave id {int(ids.max())} for {where}, not below its vocab_size {vocab_size}")
+        _check_ids(tokenizer, ids, where, separator=separator, vocab_size=vocab_size, spans=spans)
         docs.extend((ids, [separator]))
         if masked and spans is not None:
             mask = _span_mask(encoding.offsets, spans)
@@ -514,7 +544,22 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
 
     try:
         with open(tmp_tokens, "wb") as f, open(tmp_mask, "wb") if masked else contextlib.nullcontext() as mask_file:
+            stream = chat is None and not masked and _windowed(tok)
             for done, path in enumerate(files, 1):
+                if stream and _kind(path) == "text" and path.stat().st_size > _STREAM_BYTES:  # a large text file: never read whole
+                    if pending:
+                        flush(f, mask_file)
+                    written = 0
+                    for ids, _ in _text_file_ids(tok, path):
+                        _check_ids(tok, ids, repr(str(path)), separator=separator_id, vocab_size=vocab_size, at=written)
+                        f.write(ids.astype(FILE_DTYPES[dtype]).tobytes())
+                        written += len(ids)
+                        if progress and time.monotonic() >= next_report:
+                            report(done - 1)
+                    if written:
+                        f.write(np.asarray([separator_id]).astype(FILE_DTYPES[dtype]).tobytes())
+                        documents, tokens = documents + 1, tokens + written + 1
+                    continue
                 for where, *values in _documents(path, fields):
                     if chat is not None:  # a conversation without an assistant turn has nothing to learn
                         docs = chat.documents(values[0], where, tools=values[1])

@@ -347,11 +347,13 @@ def test_a_large_json_lines_file_is_streamed_in_batches(tmp_path, tokenizer_path
 
 def test_a_long_document_is_encoded_a_window_at_a_time_to_the_same_ids(tmp_path, tokenizer_path, monkeypatch):
     """One encode of a whole long document held ~450 bytes per token (a 45 MB text file took
-    7.6 GB): a document longer than _WINDOW_CHARS is cut at pre-token boundaries and encoded
-    a window at a time, its ids those of the whole, byte for byte (here with windows of 64
-    characters: many cuts, by whitespace runs, code, unicode and an added token's text); a
-    run the pre-tokenizer keeps whole takes a window as long as it, and a tokenizer whose
-    normalizer or prefix space makes pieces encode otherwise encodes documents whole."""
+    7.6 GB), and the file was read whole: a document longer than _WINDOW_CHARS is cut at
+    pre-token boundaries and encoded a window at a time, a text file larger than
+    _STREAM_BYTES read a part at a time, the ids those of the whole, byte for byte (here with
+    windows of 64 characters: many cuts, by whitespace runs, code, unicode and an added
+    token's text; parts of 50 bytes, cutting characters in two); a run the pre-tokenizer
+    keeps whole takes a window as long as it, and a tokenizer whose normalizer or prefix
+    space makes pieces encode otherwise encodes documents whole."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
     tok = Tokenizer.from_file(str(tokenizer_path))
@@ -360,24 +362,40 @@ def test_a_long_document_is_encoded_a_window_at_a_time_to_the_same_ids(tmp_path,
     code = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:6000]
     texts = {"long.txt": code + "  \n\n   héllo wörld → 🙂🙂 <|im_start|>user\n" * 20 + "x" * 300 + " tail\n",
              "short.txt": "a short one\n", "run.txt": "y" * 500}
-    _write_texts(tmp_path / "src", texts)
-    whole = prepare(tmp_path / "src", tmp_path / "whole.u16", tokenizer=tmp_path / "tok.json", progress=False)
-    cuts = []
-    real = prepare_module._cuts
-    monkeypatch.setattr(prepare_module, "_cuts", lambda tokenizer, text: cuts.append(found := real(tokenizer, text)) or found)
+    src = _write_texts(tmp_path / "src", texts)
+    (src / "bom.txt").write_bytes("\ufeffa text with a byte-order mark, ".encode() * 5)
+    whole = prepare(src, tmp_path / "whole.u16", tokenizer=tmp_path / "tok.json", progress=False)
+    windows = []
+    real = prepare_module._windowed_ids
+    monkeypatch.setattr(prepare_module, "_windowed_ids", lambda tokenizer, chunks: windows.append(got := list(real(tokenizer, chunks))) or iter(got))
     monkeypatch.setattr(prepare_module, "_WINDOW_CHARS", 64)
     monkeypatch.setattr(prepare_module, "_WINDOW_MARGIN", 8)
-    windowed = prepare(tmp_path / "src", tmp_path / "windowed.u16", tokenizer=tmp_path / "tok.json", progress=False)
-    assert windowed == whole and (tmp_path / "windowed.u16").read_bytes() == (tmp_path / "whole.u16").read_bytes()
-    assert len(cuts) == 2 and len(cuts[0]) > 100 and cuts[1] == [0, 500]  # long.txt in many windows; run.txt has no cut: whole
-    assert any(b - a > 300 for a, b in zip(cuts[0], cuts[0][1:]))  # a window doubled, twice, to hold the run of 300 x
-    long = texts["long.txt"]
-    assert not any(0 < c < len(long) and "<|im_start|>" in long[c - 12:c + 12] for c in cuts[0])
+    for stream in (False, True):  # documents read whole; text files read 50 bytes at a time
+        monkeypatch.setattr(prepare_module, "_STREAM_BYTES", 100 if stream else 1 << 26)
+        monkeypatch.setattr(prepare_module, "_READ_BYTES", 50)
+        windows.clear()
+        got = prepare(src, tmp_path / f"windowed{stream}.u16", tokenizer=tmp_path / "tok.json", progress=False)
+        assert got == whole and (tmp_path / f"windowed{stream}.u16").read_bytes() == (tmp_path / "whole.u16").read_bytes(), stream
+        assert len(windows) == 3 and len(windows[1]) > 100 and len(windows[2]) == 1  # bom, long, run (whole); short.txt is short
+        ends = [end for _, end in windows[1]]
+        assert ends[-1] == len(texts["long.txt"]) and any(b - a > 300 for a, b in zip(ends, ends[1:]))  # a window doubled for the x's
+        assert not any("<|im_start|>" in texts["long.txt"][c - 12:c + 12] for c in ends[:-1])
+    (src / "bad.txt").write_bytes(b"text" * 30 + "é".encode()[:1] + b"more")
+    with pytest.raises(ValueError, match=r"^src: '.*bad\.txt' is not valid UTF-8 \(invalid continuation byte at byte 120\)"):
+        prepare(src, tmp_path / "bad.u16", tokenizer=tmp_path / "tok.json", progress=False)
+    (src / "bad.txt").write_bytes(b"text" * 30 + b"\0")
+    with pytest.raises(ValueError, match=r"^src: '.*bad\.txt' holds a NUL byte \(at byte 120\)"):
+        prepare(src, tmp_path / "bad.u16", tokenizer=tmp_path / "tok.json", progress=False)
     assert prepare_module._windowed(tok)
+
+    class Misled:  # a pre-tokenizer piece that starts inside a token: that cut is not taken
+        def pre_tokenize_str(self, text):
+            return [(text[1:], (1, len(text)))]
+
     text = "import textwrap\n" * 20
-    start, end = next(o for o in tok.encode(text, add_special_tokens=False).offsets if o[1] - o[0] > 1)
-    monkeypatch.setattr(prepare_module, "_cuts", lambda tokenizer, text: [0, start + 1, len(text)])  # a cut inside a token
-    assert prepare_module._encode_long(tok, text) is None  # then the document is encoded whole
+    wrapped = type("T", (), {"pre_tokenizer": Misled(), "encode": tok.encode, "get_added_tokens_decoder": tok.get_added_tokens_decoder})()
+    ids = np.concatenate([ids for ids, _ in real(wrapped, [text])])
+    assert ids.tolist() == tok.encode(text, add_special_tokens=False).ids
     for pre in (pre_tokenizers.ByteLevel(add_prefix_space=True), pre_tokenizers.Metaspace()):
         tok.pre_tokenizer = pre
         assert not prepare_module._windowed(tok)
