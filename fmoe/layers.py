@@ -589,7 +589,8 @@ def moe(
     r_TH = (x if route_x is None else route_x).float()
     if params.get("router_norm") is not None:  # Gemma 4's: rmsnorm(x) times a learned scale and 1 / sqrt(H)
         r_TH = _rms_norm(r_TH, params["router_norm"] * r_TH.shape[-1] ** -0.5, cfg.norm_eps)
-    logits_TE = F.linear(r_TH, params["router"], params.get("router_bias"))  # router in float32
+    with torch.autocast(r_TH.device.type, enabled=False):  # router in float32, under torch.autocast too
+        logits_TE = F.linear(r_TH, params["router"], params.get("router_bias"))
     if cfg.logit_scale != 1.0:  # Muse Spark's output_multiplier
         logits_TE = logits_TE * cfg.logit_scale
     if cfg.logit_softcap is not None:  # Laguna's tanh soft cap

@@ -267,7 +267,12 @@ class DenseMLP(nn.Module):
         b_gate, b_up, b_down = (None if b is None else _local(b) for b in (self.b_gate, self.b_up, self.b_down))
         if b_down is not None and tp is not None:  # added once over the ranks' sum
             b_down = tp.share(b_down)
-        return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params,
+        w_up, w_down = _local(self.w_up), _local(self.w_down)
+        if x_TH.is_floating_point() and torch.is_autocast_enabled(x_TH.device.type):  # torch.autocast: in its dtype, as a linear
+            dtype = torch.get_autocast_dtype(x_TH.device.type)
+            x_TH, gate, w_up, w_down, b_gate, b_up, b_down = (None if t is None else t.to(dtype)
+                                                             for t in (x_TH, gate, w_up, w_down, b_gate, b_up, b_down))
+        return dense_mlp(x_TH, gate, w_up, w_down, impl=self.impl, fp8=self.fp8, act=self.act, act_params=params,
                          b_gate=b_gate, b_up=b_up, b_down=b_down, limit=self.limit, alpha=self.alpha, offset=self.offset)
 
 
@@ -307,6 +312,8 @@ class GroupedExperts(nn.Module):
 
     def _experts(self, x_TH, routes, rows=None):
         params = {n: _local(getattr(self, n)) for n in self.names}
+        if torch.is_autocast_enabled(x_TH.device.type):  # the weights in x's autocast dtype, as a linear's would be
+            params = {n: w.to(x_TH.dtype) for n, w in params.items()}
         return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg, **({} if rows is None else dict(rows=rows)))
 
 
@@ -462,6 +469,8 @@ class MoE(KeepsFloat32):
         parallelism): a hashed MoE (hash_vocab) routes by them (fmoe.layers.moe's token_ids),
         and needs them; another ignores them."""
         x_TH = x.reshape(-1, x.shape[-1])
+        if x_TH.is_floating_point() and torch.is_autocast_enabled(x_TH.device.type):  # torch.autocast: the experts compute in its
+            x_TH = x_TH.to(torch.get_autocast_dtype(x_TH.device.type))  # dtype, as a linear would; the router stays float32
         # under tensor parallelism x is this rank's token shard: the router's and the gate's
         # gradients are summed over tp where they are used; the capacity drop sees every token
         sp = self.sequence_parallel
@@ -2735,6 +2744,16 @@ BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
 MTP_KEYS = ("mtp_input_ids", "mtp_labels", "mtp_loss_mask", "mtp_positions")
 
 
+def _refuse_autocast(x: torch.Tensor) -> None:
+    """A ValueError under torch.autocast on x's device: the reference model computes in its
+    parameters' dtype (its attention refused the autocast inputs, naming a weight)."""
+    if torch.is_autocast_enabled(x.device.type):
+        raise ValueError("torch.autocast: the reference Transformer computes in its parameters' dtype, not under autocast: cast it "
+                         "(model.to(torch.bfloat16): its router and expert biases stay float32) or use FSDP2's mixed precision "
+                         "(fmoe.parallel.parallelize(model, meshes, param_dtype=torch.bfloat16)); fmoe.model.MoE and DenseMLP run under "
+                         "autocast in a model of your own")
+
+
 class Transformer(nn.Module):
     """The reference MoE decoder; see the module docstring."""
 
@@ -2948,6 +2967,7 @@ class Transformer(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype not in (torch.int64, torch.int32):
             got = f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids: expected [T] int64 token ids (packed documents, cu_seqlens their bounds), got {got}")
+        _refuse_autocast(input_ids)
         if input_ids.numel():  # one host read, as cu_seqlens' below
             lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
             if lo < 0 or hi >= self.cfg.vocab_size:
@@ -3241,6 +3261,7 @@ class Transformer(nn.Module):
             the first embeds input_ids, one that is not the last returns (hidden [T, H] or the
             streams [T, n H], stats) instead, its output for the next stage; the last returns the losses.
         """
+        _refuse_autocast(batch["input_ids"])
         if ctx is None:
             ctx = self.context(batch)
         elif not isinstance(ctx, BatchContext) or len(ctx.attention) != 1 + self.cfg.mtp_depth:

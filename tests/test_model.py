@@ -3361,3 +3361,33 @@ def test_gated_rms_norm_is_the_norm_times_its_low_rank_gate():
     assert [type(b.attn_norm).__name__ for b in model.blocks] == ["GatedRMSNorm"] * 3
     assert [type(b.mlp_norm).__name__ for b in model.blocks] == ["RMSNorm", "GatedRMSNorm", "GatedRMSNorm"]
     assert model.blocks[1].attn.wg.shape == (20, 4 * 5) and model.blocks[1].attn.wq_b.shape == (20, 4 * 12)  # [2 q_rank, N Dv], [2 q_rank, N D]
+
+
+def test_the_moe_layer_runs_under_autocast_and_the_reference_model_says_it_does_not():
+    """fmoe.model.MoE in a model of one's own under torch.autocast: the shared expert's output
+    was refused ("shared: expected shared(x) -> float32"), and a bf16 input failed in the routed
+    experts. Now the experts compute in autocast's dtype, as a linear would, and the router in
+    float32: the routing is that of the float32 layer on the rounded input, the output within
+    bf16 rounding of it (DenseMLP too). The reference Transformer said "params['wq']: expected bfloat16";
+    it now says how to run it in bf16."""
+    torch.manual_seed(0)
+    layer = fmoe.model.MoE(24, 16, fmoe.layers.MoEConfig(n_experts=4, k=2), shared_ffn=8)
+    x = torch.randn(37, 24)
+    rounded = x.to(torch.bfloat16).float()
+    want, want_stats = layer(rounded)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, stats = layer(x)
+    assert y.dtype == torch.bfloat16 and stats["router_logits"].dtype == torch.float32
+    assert torch.equal(stats["router_logits"], want_stats["router_logits"]) and torch.equal(stats["tokens_per_expert"], want_stats["tokens_per_expert"])
+    assert float((y.float() - want).abs().max().detach() / want.abs().max().detach()) < 2e-2
+    y.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == p.dtype == torch.float32 for p in layer.parameters())
+    dense = fmoe.model.DenseMLP(24, 40, "torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dense(x).dtype == torch.bfloat16
+    cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=48, n_experts=4, k=2, ffn_expert=16, n_heads=2,
+                            n_kv_heads=1, head_dim=16, mtp_depth=0, impl="torch")
+    model = Transformer(cfg)
+    ids, cu = torch.randint(0, 64, (12,)), torch.tensor([0, 12], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"^torch\.autocast: the reference Transformer computes"):
+        model.logits(ids, cu)
