@@ -377,7 +377,8 @@ _MOE_PARAMS = frozenset({"router", "router_bias", "router_norm", "expert_scale",
 
 def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
-        raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
+        raise ValueError(f"x: expected a 2-D float tensor [T, H], got "
+                         + (f"{x_TH.dtype} {list(x_TH.shape)}" if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__))
     if not isinstance(cfg, MoEConfig):
         raise ValueError(f"cfg: expected a MoEConfig, got {type(cfg).__name__}")
     if not isinstance(params, Mapping):

@@ -317,8 +317,10 @@ def test_moe_bad_inputs(device):
     cfg = MoEConfig(n_experts=4, k=2)
     params = _params(cfg, torch.float32, device)
     x = torch.randn(5, H, device=device)
-    with pytest.raises(ValueError, match=r"x: expected a 2-D"):
+    with pytest.raises(ValueError, match=r"x: expected a 2-D float tensor \[T, H\], got torch.float32 \[1, 5, 32\]"):
         moe(x[None], params, cfg)
+    with pytest.raises(ValueError, match=r"x: expected a 2-D float tensor \[T, H\], got torch.int64 \[5, 32\]"):  # said the shape alone
+        moe(x.long(), params, cfg)
     # a misspelt name left its feature off (expert_biases: no balancing bias at all); the wrong kinds of cfg and params
     with pytest.raises(ValueError, match=r"params: unknown MoE parameters \['expert_biases'\]; expected names among \['b_down', "):
         moe(x, dict(params, expert_biases=torch.zeros(4, device=device)), cfg)
