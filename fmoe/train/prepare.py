@@ -300,10 +300,16 @@ def _documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Ite
         data = _read_bytes(path, kind == "gzip")
         text = _decode(data, repr(str(path)))
         if b"\0" in data:  # valid UTF-8, but not text: a tar archive by another name, UTF-16, a binary file
-            raise ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {data.index(0)}), which text does not; "
-                             "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
+            raise _nul_byte(path, data.index(0))
         del data  # the text alone is held while it is encoded
         yield repr(str(path)), text.removeprefix("\ufeff")  # a byte-order mark (Windows editors' UTF-8) is not text
+
+
+def _nul_byte(path: Path, at: int) -> ValueError:
+    """The error for a text file holding a NUL byte (at byte `at`): valid UTF-8, but not text
+    (a tar archive by another name, UTF-16, a binary file)."""
+    return ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {at}), which text does not; "
+                      "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
 
 
 def _windowed(tokenizer) -> bool:
@@ -379,8 +385,7 @@ def _text_file_ids(tokenizer, path: Path) -> Iterator[tuple[np.ndarray, int]]:
                 except UnicodeDecodeError as err:
                     raise ValueError(f"src: {str(path)!r} is not valid UTF-8 ({err.reason} at byte {at - held + err.start})") from None
                 if b"\0" in data:
-                    raise ValueError(f"src: {str(path)!r} holds a NUL byte (at byte {at + data.index(0)}), which text does not; "
-                                     "extract an archive first (tar -xf), convert UTF-16 text to UTF-8")
+                    raise _nul_byte(path, at + data.index(0))
                 yield text.removeprefix("\ufeff") if at == 0 else text
                 if not data:
                     return
