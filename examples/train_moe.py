@@ -240,6 +240,14 @@ def _differing_models(every: list) -> str:
 SCHEDULE_KNOBS = ("steps", "lr", "min_lr", "init_lr", "warmup", "lr_style", "wsd_decay", "wsd_style")
 
 
+def _lr_schedule(knobs: dict, warmup: int, wsd_decay: int) -> dict:
+    """lr_at's keywords for the run knobs `knobs` (Config's, or a run's config.json "config")
+    with their warmup and wsd_decay steps resolved: a factor on each group's lr (--lr's 1)."""
+    min_lr = knobs["min_lr"] if knobs["min_lr"] >= 0 else knobs["lr"] / 10
+    return dict(max_lr=1.0, total=knobs["steps"], warmup=warmup, min_lr=min_lr / knobs["lr"], init_lr=knobs["init_lr"] / knobs["lr"],
+                style=knobs["lr_style"], wsd_decay=wsd_decay if knobs["lr_style"] == "wsd" else 0, wsd_style=knobs["wsd_style"])
+
+
 def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.Optional[str]:
     """A note where a resumed run's learning rate for step+1, `lr` (this run's schedule),
     is not what the run's own schedule gave (its config.json: --steps raised to extend a
@@ -248,10 +256,7 @@ def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.
     try:
         run = json.loads((Path(out_dir) / "config.json").read_text())
         was = run["config"]
-        style = was["lr_style"]
-        then = was["lr"] * lr_at(step, max_lr=1.0, total=was["steps"], warmup=run["warmup"], min_lr=(
-            was["min_lr"] if was["min_lr"] >= 0 else was["lr"] / 10) / was["lr"], init_lr=was["init_lr"] / was["lr"], style=style,
-            wsd_decay=run["wsd_decay"] if style == "wsd" else 0, wsd_style=was["wsd_style"])
+        then = was["lr"] * lr_at(step, **_lr_schedule(was, run["warmup"], run["wsd_decay"]))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):  # no config.json, or one of another version
         return None
     if math.isclose(then, lr, rel_tol=1e-9, abs_tol=1e-15):
@@ -639,11 +644,9 @@ def main(argv: list[str]) -> None:
     knobs = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
 
     # the schedule gives a factor on each group's lr; checked once here, with a message
-    min_lr = cfg.min_lr if cfg.min_lr >= 0 else cfg.lr / 10
     warmup = cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
     wsd_decay = cfg.wsd_decay if cfg.wsd_decay >= 0 else math.ceil((cfg.steps - warmup) / 5)
-    schedule = dict(max_lr=1.0, total=cfg.steps, warmup=warmup, min_lr=min_lr / cfg.lr, init_lr=cfg.init_lr / cfg.lr,
-                    style=cfg.lr_style, wsd_decay=wsd_decay if cfg.lr_style == "wsd" else 0, wsd_style=cfg.wsd_style)
+    schedule = _lr_schedule(vars(cfg), warmup, wsd_decay)
     try:
         lr_at(0, **schedule)
         batch_size_at(0, cfg.batch_schedule)
