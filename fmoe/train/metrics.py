@@ -688,7 +688,9 @@ def to_host(values: dict) -> dict:
 
 class MetricsLogger:
     """Appends one JSON object per step to `<out_dir>/metrics.jsonl` and prints a one-line
-    progress on rank 0 (other ranks log nothing, so every rank may call log()).
+    progress on rank 0 (other ranks log nothing, so every rank may call log()). Tensors and
+    numpy values are written as numbers and lists; a NaN or infinite number as null (strict
+    JSON: read it back as None).
 
     start_step: the step the run starts or resumes at; records of the file with step >=
     start_step are dropped at construction (a fresh run, start_step=0, starts an empty file;
