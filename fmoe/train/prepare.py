@@ -419,19 +419,20 @@ def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
 
 
 def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int, dtype: str,
-            masked: bool) -> tuple[np.ndarray, Optional[np.ndarray]]:
+            masked: bool, windowed: bool) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """The documents `pending`, each (where, text, prompt, spans), as one array of ids
     [n_tokens]: each document's ids (a prompt's, if not None, then the text's) followed by the
     separator; and when `masked`, their loss mask [n_tokens] uint8: 0 on a prompt's ids, and
     with `spans` (a conversation's trained characters, fmoe.train.chat) 0 on the tokens
-    outside them, the separator taking its document's last token's value."""
+    outside them, the separator taking its document's last token's value. windowed: whether
+    the tokenizer encodes a long plain document a window at a time (_windowed)."""
     for where, text, prompt, _ in pending:
         for part in (text, prompt):
             if part is not None and (bad := _SURROGATE.search(part)):
                 raise ValueError(f"src: {where} is not valid Unicode: it holds a lone surrogate (U+{ord(bad.group()):04X}, "
                                  "a JSON \\ud800-\\udfff escape without its pair)")
     long = {}  # a long plain document's ids, encoded a window at a time
-    if any(len(text) > _WINDOW_CHARS and prompt is None and spans is None for _, text, prompt, spans in pending) and _windowed(tokenizer):
+    if windowed:
         long = {i: np.concatenate([ids for ids, _ in _windowed_ids(tokenizer, [text])])
                 for i, (_, text, prompt, spans) in enumerate(pending) if len(text) > _WINDOW_CHARS and prompt is None and spans is None}
     whole = [i for i in range(len(pending)) if i not in long]
@@ -540,18 +541,18 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     def flush(f, mask_file) -> None:
         """Encode the pending documents and append their ids to f (their mask to mask_file)."""
         nonlocal documents, tokens, prompt_tokens, pending, pending_chars
-        ids, mask = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype, masked=masked)
+        ids, mask = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype, masked=masked, windowed=windowed)
         f.write(ids.tobytes())
         if mask is not None:
             mask_file.write(mask.tobytes())
             prompt_tokens += len(mask) - int(mask.sum())
         documents, tokens, pending, pending_chars = documents + len(pending), tokens + len(ids), [], 0
 
+    windowed = _windowed(tok)  # read once: the tokenizer's whole JSON
     try:
         with open(tmp_tokens, "wb") as f, open(tmp_mask, "wb") if masked else contextlib.nullcontext() as mask_file:
-            stream = chat is None and not masked and _windowed(tok)
             for done, path in enumerate(files, 1):
-                if stream and _kind(path) == "text" and path.stat().st_size > _STREAM_BYTES:  # a large text file: never read whole
+                if windowed and chat is None and not masked and _kind(path) == "text" and path.stat().st_size > _STREAM_BYTES:  # a large text file: never read whole
                     if pending:
                         flush(f, mask_file)
                     written = 0
