@@ -715,9 +715,7 @@ def main(argv: list[str]) -> None:
         except (OSError, ValueError) as err:
             refusal = f"--upcycle_from: {err}"
         # each rank read the dense model itself, with no collective: a rank's refusal is every rank's, and so is its checkpoint
-        if refusal := every_rank(refusal, found, lambda every: (
-                "--upcycle_from: the ranks found different checkpoints (" + ", ".join(f"rank {r}: {p}" for r, p in enumerate(every))
-                + "); every rank must see the same files: name one checkpoint directory"))[0]:
+        if refusal := every_rank(refusal, (found, None), lambda every: f"--upcycle_from: {checkpoint.differing_checkpoints(every)}")[0]:
             sys.exit(refusal)
         if rank == 0:
             print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "

@@ -467,12 +467,13 @@ def _read_agreed(path, *, extra: bool) -> tuple[Path, Mapping, Optional[dict]]:
     except (OSError, ValueError) as err:  # OSError: FileNotFoundError, a permission, a stale network file handle
         error = err
     step = extra_dict.get("step") if isinstance(extra_dict, Mapping) else None
-    raise_together(error, None if error is not None else (str(found), step), differ=_differing_checkpoints)
+    raise_together(error, None if error is not None else (str(found), step), differ=differing_checkpoints)
     return found, stored, extra_dict
 
 
-def _differing_checkpoints(every: list) -> str:
-    """What the ranks' (checkpoint directory, extra's step) of one load say: other directories, or other steps."""
+def differing_checkpoints(every: list) -> str:
+    """What the ranks' (checkpoint directory, extra's step or None) of one read say (every_rank's
+    facts, where they differ): other directories, or other steps."""
     if len({p for p, _ in every}) > 1:
         return ("path: the ranks found different checkpoints (" + ", ".join(f"rank {rank}: {p}" for rank, (p, _) in enumerate(every))
                 + "); every rank must see the same files: name one checkpoint directory")

@@ -397,8 +397,8 @@ def test_upcycling_ranks_agree_on_the_dense_checkpoint_they_read(tmp_path):
     _train(dense, 1, "--model.n_dense=2", "--resume", "--stop_at=3")
     upcycle = (f"--out_dir={tmp_path / 'moe'}", *TINY, f"--upcycle_from={dense}")
     done = _one_rank_fault("older_checkpoint", "train_moe", *upcycle)
-    said = (f"--upcycle_from: the ranks found different checkpoints (rank 0: {dense / 'step_000003'}, rank 1: {dense / 'step_000002'}); "
-            "every rank must see the same files")
+    said = (f"--upcycle_from: path: the ranks found different checkpoints (rank 0: {dense / 'step_000003'}, rank 1: {dense / 'step_000002'}); "
+            "every rank must see the same files: name one checkpoint directory")
     assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
     assert not (tmp_path / "moe" / "metrics.jsonl").exists()
     copy = tmp_path / "copy"  # rank 1's copy of the dense run, its newest shard cut short
