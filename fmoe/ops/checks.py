@@ -8,7 +8,8 @@ tensor on the host: one device->host sync each. One rule for every op:
 - a public op that reads values to validate them takes a keyword-only `check: bool = True`;
 - check=False skips exactly those value reads, nothing else;
 - value checks never run while torch.compile traces (`checking()`): a read breaks the graph;
-  nor on tensors that hold no values (the meta device, a model before it is materialized).
+  nor on tensors that hold no values (the meta device, a model before it is materialized,
+  a FakeTensor of torch's FakeTensorMode).
 
 The ops with `check`: route (NaN logits), drop_by_capacity and permute (expert ids in
 -1..E-1), grouped_mlp (offsets), cross_entropy and linear_cross_entropy (labels), and
@@ -25,16 +26,24 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def holds_values(t: torch.Tensor) -> bool:
+    """Whether t's values can be read: False on the meta device and for a FakeTensor
+    (torch's FakeTensorMode, shapes without values); True while torch.compile traces (the
+    graph runs on tensors with values)."""
+    return torch.compiler.is_compiling() or not (t.is_meta or is_fake(t))
+
+
 def checking(check: bool = True, *tensors) -> bool:
     """Whether value checks that need a device->host sync run: asked for (an op's `check`),
-    not while torch.compile traces, and none of the tensors to be read (None: left out) is on
-    the meta device (shapes without values: nothing to read)."""
-    return check and not torch.compiler.is_compiling() and not any(t is not None and t.is_meta for t in tensors)
+    not while torch.compile traces, and every tensor to be read (None: left out) holds values
+    (holds_values: not meta, not fake; shapes alone leave nothing to read)."""
+    return check and not torch.compiler.is_compiling() and all(t is None or holds_values(t) for t in tensors)
 
 
 def check_device(name: str, t: torch.Tensor, device: torch.device, like: str = "") -> None:

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import DOT_UPCAST, interpreting, next_pow2, use_triton
-from fmoe.ops.checks import FLOAT_DTYPES, check_device, check_float, checking
+from fmoe.ops.checks import FLOAT_DTYPES, check_device, check_float, checking, holds_values
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quantize
 
 # ----------------------------------------------------------------------------------------
@@ -798,6 +798,9 @@ def grouped_mlp(
         return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu, fp8)
     if impl == "auto" and x_perm.device.type in ("cpu", "meta"):  # meta: shapes only (the loop below reads offsets)
         return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
+    if not holds_values(offsets):
+        raise ValueError(f"impl: 'torch' loops over the experts by offsets read on the host, which a meta or fake offsets does not "
+                         f"hold; impl='auto' gives the shapes")
     return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
 
 

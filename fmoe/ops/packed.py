@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_cu_seqlens, check_device, check_index, check_positive_int
+from fmoe.ops.checks import check_cu_seqlens, check_device, check_index, check_positive_int, holds_values
 
 if TYPE_CHECKING:  # imported where used: tensordict's import brings torch._dynamo, a second at `import fmoe.ops`
     from tensordict import TensorDict
@@ -314,6 +314,8 @@ def positions_from_cu_seqlens(
     """
     if n_tokens is None:
         check_index("cu_seqlens", cu_seqlens, 1, "[n_seqs + 1]")
+        if not holds_values(cu_seqlens):
+            raise ValueError("n_tokens: needed where cu_seqlens holds no values (a meta or fake tensor) to read T from; pass n_tokens=T")
         n_tokens = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
     else:
         check_positive_int("n_tokens", n_tokens, 0)

@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 import tensordict.nn  # noqa: F401  (its import reads a tensor value, once per process: mtp_targets imports it on first call)
 
@@ -220,6 +221,8 @@ META_CALLS = {  # the default check=True on tensors with no values (a model buil
     # "auto" on meta: torch._grouped_mm's shapes (the per-expert loop would read offsets)
     "grouped_mlp": lambda: F.grouped_mlp(_meta(T, H), _meta(E, H, 8), _meta(E, H, 8), _meta(E, 8, H), _meta(E, dtype=torch.int32)),
     "grouped_matmul": lambda: F.grouped_matmul(_meta(T, H), _meta(E, H, 8), _meta(E, dtype=torch.int32)),
+    "positions_from_cu_seqlens": lambda: F.positions_from_cu_seqlens(_meta(3, dtype=torch.int32), n_tokens=T),
+    "mtp_targets": lambda: F.mtp_targets(_meta(T, dtype=torch.long), _meta(3, dtype=torch.int32), 1)[1]["labels"],
 }
 
 
@@ -229,6 +232,29 @@ def test_check_true_reads_no_value_of_a_meta_tensor(name):
     .item() / .tolist() ("cannot be called on meta tensors"); the op's shapes still come out."""
     out = META_CALLS[name]()
     assert out.is_meta
+
+
+@pytest.mark.parametrize("name", META_CALLS)
+def test_check_true_reads_no_value_of_a_fake_tensor(name, monkeypatch):
+    """Under torch's FakeTensorMode (shapes without values, as a tracer or a memory planner
+    runs a model) as on the meta device: the default check=True raised torch's
+    DataDependentOutputException from its host read."""
+    monkeypatch.setitem(globals(), "_meta", lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype))
+    with FakeTensorMode():
+        out = META_CALLS[name]()
+    assert is_fake(out)
+
+
+def test_what_needs_values_says_so_on_meta_and_fake_tensors():
+    """positions_from_cu_seqlens without n_tokens reads T from cu_seqlens, and grouped_mlp's
+    "torch" loop reads offsets: on tensors without values each names what to pass instead
+    (torch's "cannot be called on meta tensors" / "no data!" before)."""
+    for make in (_meta, lambda *shape, dtype: FakeTensorMode().from_tensor(torch.empty(*shape, dtype=dtype))):
+        with pytest.raises(ValueError, match="n_tokens: needed where cu_seqlens holds no values .* pass n_tokens=T"):
+            F.positions_from_cu_seqlens(make(3, dtype=torch.int32))
+        x, w, offsets = make(T, H, dtype=torch.float32), make(E, H, 8, dtype=torch.float32), make(E, dtype=torch.int32)
+        with pytest.raises(ValueError, match="impl: 'torch' loops over the experts by offsets read on the host.* impl='auto'"):
+            F.grouped_mlp(x, w, w, make(E, 8, H, dtype=torch.float32), offsets, impl="torch", check=False)
 
 
 def test_checking_names_the_meta_tensors_only():
