@@ -46,6 +46,32 @@ def checking(check: bool = True, *tensors) -> bool:
     return check and not torch.compiler.is_compiling() and all(t is None or holds_values(t) for t in tensors)
 
 
+def check_distinct_memory(name: str, x: torch.Tensor, why: str) -> None:
+    """A ValueError unless every element of x has its own memory (an in-place write to one
+    element then changes no other): no expanded (stride 0) dim, no as_strided overlap. Free
+    for the usual views (slices, steps, transposes: each stride past the span of the smaller
+    ones); other layouts are checked element by element."""
+    if x.numel() == 0:
+        return
+    dims = sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            break
+        span += (size - 1) * stride
+    else:
+        return
+    overlap = any(stride == 0 for stride, _ in dims)
+    if not overlap:  # an interleaved layout: count the distinct element offsets
+        offsets = torch.zeros((), dtype=torch.int64)
+        for size, stride in zip(x.shape, x.stride()):
+            offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+        overlap = offsets.unique().numel() < x.numel()
+    if overlap:
+        raise ValueError(f"{name}: {why}: elements of {name} share memory (strides {tuple(x.stride())}, shape {tuple(x.shape)}, "
+                         f"e.g. an expand); pass {name}.contiguous() or a tensor of its own")
+
+
 def check_device(name: str, t: torch.Tensor, device: torch.device, like: str = "") -> None:
     """t on `device` (like: the argument that sets it, named in the error), or a ValueError."""
     if t.device != device:

@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_bools, check_positive_int
+from fmoe.ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_bools, check_distinct_memory, check_positive_int
 
 # ----------------------------------------------------------------------------------------
 # 0. Frequencies and scales (host-side scalars and [F] tables)
@@ -578,7 +578,7 @@ def apply_rope(
             unchanged. Not differentiated (their gradient is None).
         interleaved: pairs (2i, 2i+1) instead of the rotate-half pairs (i, i + R/2).
         inplace: overwrite x and return it (q and k rotated inside a fused qkv buffer
-            without a copy). Differentiable like torch's in-place ops: x may be a
+            without a copy); x's elements must not share memory (no expand). Differentiable like torch's in-place ops: x may be a
             non-leaf that requires grad (the backward needs only cos/sin); a leaf that
             requires grad is refused while grad mode is on.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
@@ -602,6 +602,8 @@ def apply_rope(
             "inplace: x is a leaf tensor that requires grad, which cannot be overwritten; "
             "rotate a non-leaf (e.g. the output of the qkv projection) or use inplace=False"
         )
+    if inplace:  # a write to one element would rotate the others again
+        check_distinct_memory("x", x, "inplace=True overwrites each element with its rotation")
 
     if use_triton(impl, x, cos, sin):
         if not inplace:

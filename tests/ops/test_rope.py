@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from fmoe.ops.checks import check_distinct_memory
 from fmoe.ops.rope import (
     apply_rope,
     apply_rope_ref,
@@ -232,6 +233,39 @@ def test_inplace_refuses_a_leaf_that_requires_grad(device):
     cos, sin = _cos_sin(4, 8, device=device)
     for impl in ("torch", "triton"):
         _raises("inplace: x is a leaf tensor that requires grad", apply_rope, x, cos, sin, inplace=True, impl=impl)
+
+
+def test_inplace_refuses_elements_that_share_memory(device):
+    """GQA keys expanded over the heads (stride 0), or rows overlapping through as_strided:
+    an in-place rotation would rotate a shared element more than once (the kernel did so
+    silently once the heads spanned more than one program, e.g. 600 heads); a ValueError
+    names x on both paths. The views a fused qkv buffer gives (a slice, a step, a transpose)
+    are rotated in place as before, and so is a buffer with gaps between its rows."""
+    cos, sin = _cos_sin(5, 8, device=device)
+    shared = [torch.randn(5, 1, 8, device=device).expand(5, 600, 8),
+              torch.randn(5 * 8 + 3 * 8, device=device).as_strided((5, 3, 8), (8, 8, 1))]
+    for impl in ("torch", "triton"):
+        for x in shared:
+            _raises("x: inplace=True overwrites each element with its rotation: elements of x share memory", apply_rope, x, cos, sin,
+                    inplace=True, impl=impl)
+        torch.testing.assert_close(apply_rope(shared[0], cos, sin, impl=impl), apply_rope(shared[0].contiguous(), cos, sin, impl=impl))
+        buffer = torch.randn(5, 3, 24, device=device)
+        views = [buffer[..., :8], buffer[..., ::3], buffer.transpose(0, 1).transpose(0, 1)[..., 8:16],
+                 torch.randn(200, device=device).as_strided((5, 2, 8), (24, 9, 1))[:, :, :8]]
+        for view in views:
+            expected = apply_rope(view.contiguous(), cos, sin, impl="torch")
+            assert apply_rope(view, cos, sin, inplace=True, impl=impl) is view
+            torch.testing.assert_close(view, expected)
+
+
+def test_distinct_memory_is_checked_element_by_element_past_the_simple_views():
+    """Strides (3, 2) over a 2 x 2 tensor interleave its dims (offsets 0, 2, 3, 5: distinct)
+    and pass; strides (1, 1) over a 3 x 2 tensor give offsets 0, 1, 1, 2, 2, 3 and are
+    refused."""
+    check_distinct_memory("y", torch.empty(8).as_strided((2, 2), (3, 2)), "why")
+    check_distinct_memory("y", torch.empty(0).as_strided((0, 4), (0, 0)), "why")  # no element: nothing shared
+    with pytest.raises(ValueError, match=r"y: why: elements of y share memory \(strides \(1, 1\), shape \(3, 2\)"):
+        check_distinct_memory("y", torch.empty(8).as_strided((3, 2), (1, 1)), "why")
 
 
 @pytest.mark.parametrize("inplace", [False, True])
