@@ -53,7 +53,7 @@ def aux_scores_ref(logits_TE, k, score_code):
     if score_code:
         sig_TE = torch.sigmoid(x_TE) if score_code == 1 else sqrt_softplus(x_TE)
         total_T1 = sig_TE.sum(dim=-1, keepdim=True)
-        scores_TE = sig_TE / torch.where(total_T1 > 0, total_T1, 1.0)  # all underflowed (logits < -103): zeros, not NaN
+        scores_TE = sig_TE / torch.where(total_T1 == 0, 1.0, total_T1)  # all underflowed (logits < -103): zeros, not NaN
     else:
         scores_TE = torch.softmax(x_TE, dim=-1)
     experts_TK = sort_desc(scores_TE.detach())[:, :k]
@@ -114,7 +114,7 @@ def _aux_fwd_kernel(
     else:
         s = tl.where(live, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
     total = tl.sum(s, axis=1)
-    s = s / tl.where(total > 0, total, 1.0)[:, None]  # every sigmoid underflowed: zeros, not 0 / 0
+    s = s / tl.where(total == 0, 1.0, total)[:, None]  # every sigmoid underflowed: zeros, not 0 / 0 (a NaN stays)
     tl.store(scores_ptr + off, s, mask=live)
 
     # top-k by repeated max of the scores' int32 images, lowest id on ties (routing._order)
@@ -150,7 +150,7 @@ def _aux_bwd_kernel(
             sig, dsdx = sqrt_softplus_tl(x)
             sig = tl.where(live, sig, 0.0)
         denom = tl.sum(sig, axis=1)
-        denom = tl.where(denom > 0, denom, 1.0)
+        denom = tl.where(denom == 0, 1.0, denom)
         q = sig / denom[:, None]
         dx = (g - tl.sum(g * q, axis=1)[:, None]) / denom[:, None] * dsdx
     else:  # p = softmax(x): dx = p (g - sum(g p))
@@ -170,6 +170,7 @@ def _lse_fwd_kernel(logits_ptr, lse_ptr, T, E: tl.constexpr, BLOCK_T: tl.constex
     row_max = tl.max(x, axis=1)
     row_max = tl.where((rows_T < T) & (row_max > float("-inf")), row_max, 0.0)  # a row of -inf: lse -inf, as torch's
     lse = row_max + tl.log(tl.sum(tl.exp(x - row_max[:, None]), axis=1))
+    lse = tl.where(row_max == float("inf"), row_max, lse)  # a +inf logit: lse +inf, as torch's (not inf - inf)
     tl.store(lse_ptr + rows_T, lse, mask=rows_T < T)
 
 

@@ -29,10 +29,11 @@ def sort_desc(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 @triton.jit
 def sort_key(score):
-    """The int32 image of a float32 score: a >= b exactly when sort_key(a) >= sort_key(b)."""
+    """The int32 image of a float32 score: a >= b exactly when sort_key(a) >= sort_key(b).
+    A NaN of either sign is above every number, as in torch.sort (NaNs tie with each other)."""
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0, as in the reference
     bits = score.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(score != score, 0x7FFFFFFF, bits ^ ((bits >> 31) & 0x7FFFFFFF))
 
 
 @triton.jit

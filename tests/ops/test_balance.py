@@ -73,6 +73,25 @@ def test_aux_scores_of_underflowed_rows_are_zeros_not_nan(impl, device):
     torch.testing.assert_close(floored[0], torch.full((6,), 1 / 6, device=device))
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_scores_of_nan_and_infinite_logits_agree_on_both_paths(score, device):
+    """A NaN logit makes its row's scores all NaN (the normalising sum is NaN), and a +inf
+    one gives NaN where it makes the sum inf or NaN (softmax: the row; sqrtsoftplus: inf /
+    inf); the kernel left such a row unnormalised (a
+    score of 1.0 beside the NaN) with other experts and counts than the reference. Both
+    paths now give the same NaN rows, the same top-k (NaN above every number, lowest id
+    first, as torch.sort) and the same counts; a finite row is unchanged."""
+    logits = torch.randn(4, 6, device=device)
+    logits[1, 2], logits[2, 4], logits[3] = float("nan"), float("inf"), float("nan")
+    (s_ref, e_ref, c_ref), (s_tri, e_tri, c_tri) = (F.aux_scores(logits, 2, score=score, impl=impl, return_counts=True)
+                                                    for impl in ("torch", "triton"))
+    assert s_ref.isnan().all(dim=1).tolist() == [False, True, score == "softmax", True]
+    assert s_ref.isnan().any(dim=1).tolist() == [False, True, score != "sigmoid", True]  # sigmoid(inf) = 1: a finite row
+    assert torch.equal(s_tri.isnan(), s_ref.isnan())
+    torch.testing.assert_close(s_tri.nan_to_num(7.0), s_ref.nan_to_num(7.0))
+    assert torch.equal(e_tri, e_ref) and torch.equal(c_tri, c_ref) and e_ref[3].tolist() == [0, 1]
+
+
 def test_transposed_logits_differentiate_as_their_copies(device):
     """aux_scores, z_loss and its masked form on a transposed logits view: the kernels'
     gradients equal the reference's on a contiguous copy (a gradient laid out as the view's
@@ -307,6 +326,13 @@ def test_z_loss_rows_of_minus_infinity(impl, device):
     assert loss.item() == pytest.approx(math.log(4.0) ** 2)
     assert x.grad[0].eq(0).all(), x.grad
     torch.testing.assert_close(x.grad[1], 2 * math.log(4.0) * torch.tensor([0.25, 0.75], device=device))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_z_loss_of_a_plus_infinite_logit_is_inf(impl, device):
+    """logsumexp of a row with +inf is +inf (torch's); the kernel gave NaN (inf - inf)."""
+    z = torch.tensor([[0.0, float("inf")], [0.0, 0.0]], device=device)
+    assert F.z_loss(z, impl=impl).item() == float("inf")
 
 
 def test_z_loss_bad_inputs():
