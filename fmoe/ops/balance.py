@@ -519,10 +519,11 @@ def update_expert_bias(
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate < math.inf):
         raise ValueError(f"rate: expected a finite number >= 0, got {rate!r}")
     check_bools(center=center, proportional=proportional)
-    c = counts.to(device=bias.device, dtype=torch.float32)
+    # float64: counts of 2^24 and more, distinct as integers, would round to one float32 (no step)
+    c = counts.to(device=bias.device, dtype=torch.float64)
     mean = c.mean()
     gap = torch.where(mean.isfinite(), mean - c, torch.nan)  # a NaN or infinite count: NaN for all (torch.sign(NaN) is 0: kept below)
-    delta = (gap / mean.clamp(min=1e-9) if proportional else torch.where(gap.isnan(), gap, torch.sign(gap))) * rate
+    delta = ((gap / mean.clamp(min=1e-9) if proportional else torch.where(gap.isnan(), gap, torch.sign(gap))) * rate).float()
     if center:
         delta = delta - delta.mean()
     return bias + delta

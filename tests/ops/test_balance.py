@@ -469,6 +469,17 @@ def test_update_expert_bias_proportional_steps_by_the_relative_error():
     assert torch.equal(F.update_expert_bias(torch.zeros(4), torch.zeros(4), 1e-3, proportional=True), torch.zeros(4))
 
 
+def test_update_expert_bias_steps_counts_past_float32s_integers():
+    """Counts 2^25 + 1 and 2^25 - 1 (33M slots an expert: a large step's sum over ranks)
+    round to one float32; the update is taken in float64, so each still gets its step."""
+    counts = torch.tensor([2**25 + 1, 2**25 - 1])
+    bias = torch.zeros(2)
+    update = F.update_expert_bias(bias, counts, 1e-3)
+    assert update.dtype == torch.float32 and update.tolist() == [-torch.tensor(1e-3).item(), torch.tensor(1e-3).item()]
+    proportional = F.update_expert_bias(bias, counts, 1.0, proportional=True)
+    torch.testing.assert_close(proportional, torch.tensor([-1.0, 1.0]) / 2**25, rtol=1e-6, atol=0)
+
+
 def test_update_expert_bias_bad_inputs():
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(4, dtype=torch.float64), torch.ones(4), 1e-3)
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(2, 2), torch.ones(4), 1e-3)
