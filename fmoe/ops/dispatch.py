@@ -127,7 +127,7 @@ def permute_ref(x_TH: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
     slot_R = plan.slot_of_row.long()
     # rows of no slot read an appended zero row T; gathered in float32 (exact) so that the
     # backward sums a token's rows in float32, as the kernels do
-    tok_R = torch.where(slot_R >= 0, slot_R // K, T)
+    tok_R = torch.where(slot_R >= 0, slot_R // max(K, 1), T)  # K = 0: every row is padding
     padded_x = torch.cat([x_TH.float(), x_TH.new_zeros(1, x_TH.shape[1], dtype=torch.float32)])
     return padded_x[tok_R].to(x_TH.dtype)
 

@@ -764,7 +764,8 @@ def drop_by_capacity(
         check_expert_ids("routes.experts", experts_TK, n_experts)
 
     T, k = weights_TK.shape
-    capacity = expert_capacity(T, k, n_experts, capacity_factor)
+    # a factor of E or more keeps every slot (at most T k per expert): no huge capacity to overflow the compare
+    capacity = T * k if capacity_factor >= n_experts else expert_capacity(T, k, n_experts, capacity_factor)
     # policy "probs": the largest weights first (ties: earlier slot); "position": by token
     order = sort_desc(weights_TK.detach().reshape(-1)) if policy == "probs" else None
     key, rank, _ = slot_ranks(experts_TK, n_experts, order)

@@ -294,6 +294,20 @@ def test_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("align", [1, 4])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_tokens_that_choose_no_expert(impl, align, device):
+    """experts [T, 0] (k = 0: every token's slots taken out before, e.g. all to zero
+    experts): no row holds a token; align > 1 still pads each expert's group, as the kernels
+    do (the reference divided by k = 0)."""
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    x_perm, plan = permute(x, torch.zeros(3, 0, dtype=torch.long, device=device), 2, align=align, impl=impl)
+    assert x_perm.shape == (2 * (align - 1), 4) and (x_perm == 0).all()
+    assert plan.counts.tolist() == [0, 0] and plan.offsets.tolist() == [0, 0] and (plan.slot_of_row == -1).all()
+    y = unpermute(x_perm, plan, torch.rand(3, 0, device=device), impl=impl)
+    assert torch.equal(y, torch.zeros(3, 4, device=device))
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_empty_batch(impl, device):
     x_perm, plan = permute(torch.randn(0, 4, device=device), torch.zeros(0, 2, dtype=torch.long, device=device), 3, align=4, impl=impl)

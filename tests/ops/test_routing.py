@@ -515,6 +515,15 @@ def test_capacity_drops_unchecked_out_of_range_ids():
         assert torch.equal(w, torch.where(e >= 0, weights, 0.0))
 
 
+@pytest.mark.parametrize("factor", [4.0, 1e19, 1e300])
+def test_a_capacity_factor_of_the_expert_count_or_more_keeps_every_slot(factor):
+    """ceil(T k / E * f) >= T k: no expert can be over it. A huge factor (a way to say
+    "never drop") keeps every slot; 1e19 overflowed int64 in the compare before."""
+    routes = F.route(torch.randn(6, 4), 2)
+    w, e = F.drop_by_capacity(routes, 4, factor)
+    assert torch.equal(e, routes.experts) and torch.equal(w, routes.weights)
+
+
 def test_capacity_bad_inputs():
     r = F.route(torch.randn(4, 8), 2)
     _raises("capacity_factor: expected a positive", F.drop_by_capacity, r, 8, 0.0)
