@@ -255,6 +255,7 @@ written without any rank holding it whole.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -5109,7 +5110,7 @@ def _stacks_by_shape(family: Family, cfg: TransformerConfig, files: dict[str, Pa
     key, transformers_shape = (gate_up, (2 * F, H)) if 2 * F != H else (down, (H, F))
     if key not in files:
         return family
-    from safetensors import safe_open
+    safe_open = safetensors_module().safe_open
 
     with safe_open(files[key], "pt") as f:
         stored = tuple(f.get_slice(key).get_shape()[1:])
@@ -5254,7 +5255,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"path: {str(path)!r} has no model.safetensors or model.safetensors.index.json")
-    from safetensors import safe_open
+    safe_open = safetensors_module().safe_open
 
     with safe_open(single, "pt") as f:
         return {k: single for k in f.keys()}
@@ -5325,7 +5326,7 @@ def _inert_tensors(files: dict[str, Path], keys) -> dict[str, torch.Tensor]:
     shared_expert_intermediate_size=0), and the sigmoid gate of such a shared expert (Qwen2-MoE's
     shared_expert_gate, [1, H]), which scales its zeros. The files' headers are read, and the
     values of these alone."""
-    from safetensors import safe_open
+    safe_open = safetensors_module().safe_open
 
     by_file: dict[Path, list[str]] = {}
     for key in keys:
@@ -5415,7 +5416,7 @@ def _stored_dtypes(files: dict[str, Path], always=()) -> dict[str, torch.dtype]:
     in another dtype than the folder's config.json names (config_dtype), and for the keys in
     `always` in whatever dtype (the files' headers alone are read; quantized tensors, written
     back dequantised, are left out)."""
-    from safetensors import safe_open
+    safe_open = safetensors_module().safe_open
 
     config = next(iter(files.values())).parent / "config.json" if files else None
     folder = config_dtype(_config_dict(config)) if config is not None and config.is_file() else None
@@ -5462,7 +5463,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     folded = _folded(family, folder_config if family.folds is not None else {})  # its multipliers
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
-    from safetensors import safe_open
+    safe_open = safetensors_module().safe_open
 
     handles: dict[Path, object] = {}
     last_part: list = [None, None]  # (key and block, value): the parts of one key come one after another and share the read
@@ -6714,6 +6715,16 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
     return [(spec.keys[0], _with_units(spec, stored).contiguous().to(dtype))]
 
 
+def safetensors_module(name: str = "safetensors"):
+    """The safetensors module `name` (fmoe.hf's checkpoint files), or an ImportError that
+    names the extra that brings it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError("fmoe.hf reads and writes Hugging Face checkpoints with the safetensors package: "
+                          "pip install 'fmoe[hf]' (or safetensors)") from err
+
+
 def _new_file_mode() -> int:
     """The mode open() gives a new file here: 0o666 less the process's umask."""
     mask = os.umask(0)
@@ -6725,19 +6736,21 @@ class _ShardWriter:
     """Complete checkpoint tensors in, safetensors shards out: a shard is written once the
     next tensor would take its tensors' bytes (the file's header not counted) past
     max_bytes (a tensor larger than that is a shard alone), under a temporary name until the
-    number of shards is known. An export that fails
-    removes its files (abort), renamed or not; a killed one leaves them for the next export
-    of the folder to remove."""
+    number of shards is known. The folder's earlier weights and config.json are replaced
+    only once every new file is written (close): an export that fails (a full disk, a
+    tensor it cannot convert, no safetensors) removes its own files (abort) and leaves the
+    earlier export whole. A killed one leaves its temporary files for the next export of
+    the folder to remove."""
 
     def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes
+        self.save_file = safetensors_module("safetensors.torch").save_file  # missing: an error before the folder is touched
         self.shard: dict[str, torch.Tensor] = {}
         self.bytes = self.total = 0
         self.files: list[tuple[Path, list[str]]] = []
         path.mkdir(parents=True, exist_ok=True)
-        for old in [path / "model.safetensors", path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors"),
-                    *path.glob("model-*.partial.safetensors")]:
-            old.unlink(missing_ok=True)  # an earlier export's files would be read with this one's
+        for old in [*path.glob("model-*.partial.safetensors"), path / "config.json.partial"]:
+            old.unlink(missing_ok=True)  # a killed export's
 
     def add(self, key: str, value: torch.Tensor) -> None:
         size = value.numel() * value.element_size()
@@ -6748,33 +6761,44 @@ class _ShardWriter:
         self.total += size
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         file = self.path / f"model-{len(self.files) + 1:05d}.partial.safetensors"
-        save_file(self.shard, file, metadata={"format": "pt"})
+        self.files.append((file, list(self.shard)))  # abort removes it, written whole or not
+        self.save_file(self.shard, file, metadata={"format": "pt"})
         file.chmod(_new_file_mode())  # safetensors writes its file owner-only (0600); others read an export as they read config.json
-        self.files.append((file, list(self.shard)))
         self.shard, self.bytes = {}, 0
 
-    def close(self) -> None:
+    def close(self, config: str) -> None:
         """The shards under their final names (model.safetensors, or model-0000i-of-0000N
-        with model.safetensors.index.json); a failure on the way leaves abort's work whole."""
+        with model.safetensors.index.json) and `config` as config.json, in place of the
+        folder's earlier weights (an earlier export's shards that the new names do not
+        overwrite are removed, so no loader reads them with these). Every new file is
+        written before any earlier one is touched; what is left is renames and removals."""
         if self.shard or not self.files:
             self.flush()
         n = len(self.files)
         names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        for i, name in enumerate(names):
-            file, keys = self.files[i]
-            self.files[i] = (file.rename(self.path / name), keys)  # abort finds it under its new name
+        staged = [(self.path / "config.json.partial", self.path / "config.json")]
+        self.files.append((staged[0][0], []))
+        staged[0][0].write_text(config)
         if n > 1:
             weight_map = dict(sorted((key, name) for name, (_, keys) in zip(names, self.files) for key in keys))
             index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            self.files.append((self.path / "model.safetensors.index.json", []))
-            self.files[-1][0].write_text(json.dumps(index, indent=2) + "\n")
+            staged.append((self.path / "model.safetensors.index.json.partial", self.path / "model.safetensors.index.json"))
+            self.files.append((staged[1][0], []))
+            staged[1][0].write_text(json.dumps(index, indent=2) + "\n")
+        final = {self.path / name for name in names} | {target for _, target in staged}
+        for old in [self.path / "model.safetensors", self.path / "model.safetensors.index.json", *self.path.glob("model-*-of-*.safetensors")]:
+            if old not in final:
+                old.unlink(missing_ok=True)  # an earlier export's, which would be read with this one's
+        for i, name in enumerate(names):
+            file, keys = self.files[i]
+            self.files[i] = (file.replace(self.path / name), keys)  # abort finds it under its new name
+        for partial, target in staged:
+            partial.replace(target)
 
     def abort(self) -> None:
         """Remove the files written so far, under whatever name they have reached (and the
-        index): a failed export leaves no weights behind."""
+        index): a failed export leaves none of its files behind."""
         for file, _ in self.files:
             file.unlink(missing_ok=True)
         self.files, self.shard = [], {}
@@ -6973,8 +6997,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         raise
     if writer is not None and not failed:
         try:
-            writer.close()
-            (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+            writer.close(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         except Exception as err:
             failed.append(err)
     if failed and writer is not None:

@@ -13,6 +13,7 @@ import math
 import pathlib
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -843,7 +844,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
     assert list(out.iterdir()) == []
     monkeypatch.setattr(hf, "_stored", stored)
     # a failure while the shards get their final names: the renamed ones go too
-    rename, renames = pathlib.Path.rename, []
+    rename, renames = pathlib.Path.replace, []
 
     def failing_rename(self, target):
         if len(renames) == 2:
@@ -851,16 +852,59 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
         renames.append(target)
         return rename(self, target)
 
-    monkeypatch.setattr(pathlib.Path, "rename", failing_rename)
+    monkeypatch.setattr(pathlib.Path, "replace", failing_rename)
     with pytest.raises(OSError, match="rename failed"):
         hf.save_pretrained(model, out, max_shard_bytes=total // 4)
     assert [t.name for t in renames] == ["model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors"]
     assert list(out.iterdir()) == []
-    monkeypatch.setattr(pathlib.Path, "rename", rename)
+    monkeypatch.setattr(pathlib.Path, "replace", rename)
     (out / "model-00003.partial.safetensors").write_bytes(b"left by a killed export")
+    (out / "config.json.partial").write_text("{")
     hf.save_pretrained(model, out)
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
+
+
+def test_a_failed_export_leaves_the_folder_s_earlier_export_whole(folders, tmp_path, monkeypatch):
+    """The folder's earlier weights and config.json are replaced only once every new file is
+    written: a full disk after the first new shard, or no safetensors package, leaves them
+    byte for byte (they were removed first, and the folder was left without weights). The
+    export that then succeeds replaces them, the earlier shards and index included."""
+    import safetensors.torch
+
+    path, _ = folders["mixtral"]
+    model, _ = hf.from_pretrained(path, impl="torch")
+    total = (path / "model.safetensors").stat().st_size
+    out = hf.save_pretrained(model, tmp_path / "out", max_shard_bytes=total // 3)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert "model.safetensors.index.json" in before and len(before) >= 5
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_file, saves = safetensors.torch.save_file, []
+
+    def full_disk(tensors, file, **kw):
+        if saves:
+            raise OSError(28, "No space left on device")
+        saves.append(file)
+        save_file(tensors, file, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full_disk)
+        with pytest.raises(OSError, match="No space left on device"):
+            hf.save_pretrained(model, out, max_shard_bytes=total // 3)
+    assert saves and {f.name: f.read_bytes() for f in out.iterdir()} == before
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "safetensors", None)  # not installed: import raises
+        m.setitem(sys.modules, "safetensors.torch", None)
+        for call in (lambda: hf.save_pretrained(model, out), lambda: hf.from_pretrained(out, impl="torch")):
+            with pytest.raises(ImportError, match=r"safetensors package: pip install 'fmoe\[hf\]' \(or safetensors\)"):
+                call()
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    hf.save_pretrained(model, out)
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    back, _ = hf.from_pretrained(out, impl="torch")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
 
 
 @pytest.mark.parametrize("family,knobs", [("llama", {}), ("mistral", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head")),
