@@ -207,8 +207,11 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
         tokenizer = tokenizer_file(path, run)
     if tokenizer is None:
         return None, None, eos  # (None for a run: run_tokenizer found none)
-    from tokenizers import Tokenizer
-
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as err:
+        raise ImportError(f"{tokenizer}: the model's tokenizer is read with the Hugging Face tokenizers package: "
+                          "pip install 'fmoe[data]' (or tokenizers)") from err
     tok = Tokenizer.from_file(str(tokenizer))
     tok.no_truncation()  # a prompt is encoded whole and unpadded, whatever the tokenizer.json says
     tok.no_padding()

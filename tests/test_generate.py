@@ -358,6 +358,18 @@ def test_a_prompt_is_encoded_whole_whatever_the_tokenizer_json_says(tmp_path):
     assert encode("w1 w2 w3 w4 w5") == [1, 2, 3, 4, 5] and encode("w4") == [4] and eos == 8
 
 
+def test_a_tokenizer_without_the_tokenizers_package_names_the_extra(tmp_path, monkeypatch):
+    """A folder's tokenizer.json where `tokenizers` is not installed: an ImportError naming
+    the file and the extra that brings it (a bare ModuleNotFoundError before)."""
+    from types import SimpleNamespace
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(ImportError, match=r"tokenizer.json: the model's tokenizer is read with the Hugging Face tokenizers package: "
+                                          r"pip install 'fmoe\[data\]' \(or tokenizers\)"):
+        generate.text_codec(tmp_path, SimpleNamespace(hf_config={}), {})
+
+
 def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     """--chat on an HF folder: --system and --prompt rendered by its chat template with the
     generation prompt (the ids of transformers' apply_chat_template), greedy tokens equal
