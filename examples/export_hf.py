@@ -21,7 +21,9 @@ examples/generate.py loads them). The config:
   text_config (fmoe.hf.written_config), with a note;
 - a model of fmoe's own needs --model_type, one of fmoe.hf.FAMILIES, and gets a config built
   from its knobs (fmoe.hf.hf_config; a knob the family has no field for is an error naming
-  it). A byte run speaks fmoe's bytes: no tokenizer is written. A run on prepared token
+  it), and the id that ends the run's documents as its eos_token_id (a byte run's EOS,
+  256; prepared token files' separator), where generation stops as from the run. A byte
+  run speaks fmoe's bytes: no tokenizer is written. A run on prepared token
   files (fmoe.train.prepare) speaks the tokenizer their index names: that tokenizer.json is
   copied as the folder's, with the tokenizer_config.json, special_tokens_map.json and
   chat_template.jinja beside it (its special tokens and chat template), when it is here
@@ -58,7 +60,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _byte_run, _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, start_ranks  # noqa: E402
+from generate import (_byte_run, _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, run_eos,  # noqa: E402
+                      start_ranks)
 
 import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
@@ -122,6 +125,9 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
                              "the run's model writes a config of its own, with the folder's other files)")
     else:
         hf = fmoe.hf.hf_config(cfg, model_type)
+        eos = run_eos(run)
+        if eos is not None:  # where the run's documents end: generation from the export stops there, as from the run
+            hf["eos_token_id"] = eos
     if dtype:
         hf = {k: v for k, v in hf.items() if k != "torch_dtype"} | {"dtype": dtype}
     return hf, notes, folder if source else None

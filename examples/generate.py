@@ -177,6 +177,19 @@ def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
     return found if found is not None else (None, None)
 
 
+def run_eos(run: dict) -> Optional[int]:
+    """The id a run of fmoe's own ends a document with, where generation from it stops: a
+    byte run's EOS, a run on prepared token files its data's separator (run_tokenizer), else
+    None (token files that name no tokenizer, or no run config)."""
+    if not run:
+        return None
+    if _byte_run(run):
+        from fmoe.train.data import EOS
+
+        return EOS
+    return run_tokenizer(run)[1]
+
+
 def tokenizer_file(path: Path, run: dict) -> Optional[Path]:
     """The tokenizer.json of a loaded model: an HF folder's own, or a token-file run's
     (run_tokenizer); None where there is none here."""
@@ -197,10 +210,10 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     that continues another."""
     if run:
         if _byte_run(run):  # the stdlib corpus or text files
-            from fmoe.train.data import EOS, decode_text, encode_text
+            from fmoe.train.data import decode_text, encode_text
 
-            return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS
-        tokenizer, eos = run_tokenizer(run)  # token ids: of the tokenizer the data's index names, when it is here
+            return (lambda s, special=True: encode_text(s).tolist()), decode_text, run_eos(run)
+        tokenizer, eos = run_tokenizer(run)[0], run_eos(run)  # token ids: of the tokenizer the data's index names, when it is here
     else:  # an HF folder
         eos = model.hf_config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos

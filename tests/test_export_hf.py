@@ -23,7 +23,9 @@ from fmoe.train import checkpoint
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import export_hf  # noqa: E402
-from generate import load_run  # noqa: E402
+from generate import load_run, stop_ids, text_codec  # noqa: E402
+
+from fmoe.train.data import read_index  # noqa: E402
 
 # how the runs train (a Hugging Face folder's run takes these alone: its architecture is the folder's), then the model
 RUN = ["--model.mtp_depth=1", "--tokens_per_micro_batch=128", "--batch_schedule=0:2", "--steps=2", "--eval_every=2", "--eval_batches=1",
@@ -117,13 +119,16 @@ def test_a_folder_with_a_tokenizer_refuses_byte_data(hf_run, tmp_path):
 
 
 def test_a_run_of_fmoe_s_own_exports_in_shards_with_its_mtp_layer(own_run, tmp_path):
-    model, _ = load_run(own_run)
+    model, run_config = load_run(own_run)
     cli = _export(own_run, tmp_path / "out", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}")
     assert cli.returncode == 0, cli.stderr[-3000:]
     out = tmp_path / "out"
     assert cli.stdout.startswith(f"{out}: glm4_moe, ") and "left out" not in cli.stdout and "copied" not in cli.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "glm4_moe" and config["num_nextn_predict_layers"] == 1 and config["vocab_size"] == model.cfg.vocab_size
+    # the byte run's documents end at EOS (256): generation from the export stops there, in generate.py and in transformers
+    assert config["eos_token_id"] == 256 and stop_ids(own_run, run_config, text_codec(own_run, model, run_config)[2]) == stop_ids(out, {}, None) == [256]
+    assert transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(out)).eos_token_id == 256
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3 and "model.layers.2.eh_proj.weight" in index["weight_map"]
     docs, ids, cu = _docs(model.cfg.vocab_size)
@@ -164,6 +169,8 @@ def test_a_run_on_prepared_token_files_exports_the_tokenizer_their_index_names(o
     assert "left out" not in printed, printed
     assert (tmp_path / "out" / "tokenizer.json").read_text() == (tmp_path / "tok" / "words.json").read_text()
     assert (tmp_path / "out" / "tokenizer_config.json").read_text() == (tmp_path / "tok" / "tokenizer_config.json").read_text()
+    separator = read_index(tmp_path / "data.u16")["separator"]  # where the data's documents end: the export's eos_token_id
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == separator == stop_ids(tmp_path / "out", {}, None)[0]
     (tmp_path / "tok" / "words.json").unlink()
     export_hf.main([str(run), str(tmp_path / "gone"), "--model_type=glm4_moe"])
     printed = capsys.readouterr().out
@@ -280,7 +287,7 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
     config, notes, source = export_hf.export_config(cfg, run, model_type="glm4_moe")
     assert source is None and config["num_nextn_predict_layers"] == 1
     assert notes == ["capacity_factor=1.25: a training-time drop, not exported"]
-    assert config == hf.hf_config(dataclasses.replace(cfg, capacity_factor=None, mtp_norm=True), "glm4_moe")
+    assert config == hf.hf_config(dataclasses.replace(cfg, capacity_factor=None, mtp_norm=True), "glm4_moe") | {"eos_token_id": 256}
     position = dataclasses.replace(cfg, capacity_policy="position")  # the drop's other policy goes with it (it needs a factor)
     assert export_hf.export_config(position, run, model_type="glm4_moe")[:2] == (config, notes)
     gone = dict(run, config=dict(run["config"], init_from_hf=str(tmp_path / "gone")))
@@ -288,7 +295,7 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
         export_hf.export_config(model.cfg, gone)
     # what that error suggests works: --model_type builds the config from the run's knobs (it used to stop on the same error)
     built, notes, source = export_hf.export_config(model.cfg, gone, model_type="glm4_moe")
-    assert source is None and built == hf.hf_config(dataclasses.replace(model.cfg, capacity_factor=None), "glm4_moe")
+    assert source is None and built == hf.hf_config(dataclasses.replace(model.cfg, capacity_factor=None), "glm4_moe") | {"eos_token_id": 256}
     assert len(notes) == 1 and notes[0].startswith(f"the run's --init_from_hf folder {str(tmp_path / 'gone')!r} is gone"), notes
 
 
