@@ -14,8 +14,9 @@ and the newest complete checkpoint's weights (fmoe.train.checkpoint.load_model);
 the embedded corpus or a text directory speaks bytes (fmoe.train.data.encode_text /
 decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: greedy with
 --temperature=0, else softmax(logits / temperature) restricted to the smallest set of
-tokens whose probability reaches --top_p (nucleus sampling), from a generator seeded by
---seed. The prompt runs once, then each new token alone against the keys and values of
+tokens whose probability reaches --top_p (nucleus sampling), continuation i from a
+generator of its own seeded by --seed + i (so continuation 0 of --samples=4 is the one of
+--samples=1, whatever the others draw). The prompt runs once, then each new token alone against the keys and values of
 the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens).
 A run on prepared token files speaks the tokenizer their index names (when that file is
 here; fmoe.train.prepare records it). Generation stops after --tokens new tokens or at the
@@ -314,7 +315,6 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
     return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos)[0]
 
 
-@torch.no_grad()
 def _stop_set(eos) -> set[int]:
     """generate's eos as a set of token ids: None, one int id or a sequence of them (numpy's
     and 0-d tensors' ints too), else a ValueError naming eos."""
@@ -327,6 +327,7 @@ def _stop_set(eos) -> set[int]:
     return {int(t) for t in ids}
 
 
+@torch.no_grad()
 def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, eos: Union[int, Sequence[int], None] = None, group=None) -> list[list[int]]:
     """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
@@ -334,9 +335,13 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     sequence together (Transformer.decode with seqs). Greedy gives each prompt what
     generate gives it alone, unless the model has a capacity_factor: a step's capacity
     counts every sequence's token in it, so it may drop other slots than one sequence's
-    step alone (Transformer.decode); sampling draws from one generator seeded by `seed`, the
-    sequences in order at each step. A sequence stops at `eos`: an id, or several (a chat
-    model's end of turn and end of text). ValueError as generate's, and for no prompts.
+    step alone (Transformer.decode). Sampling draws sequence i's tokens from a generator of
+    its own seeded by seed + i (mod 2**64): what a sequence draws does not depend on the
+    others (how many, when they stop), and prompts[i] draws as generate(prompts[i],
+    seed=seed + i) does, unless a capacity_factor drops slots. A sequence stops at `eos`: an
+    id, or several (a chat model's end of turn and end of text). ValueError as generate's,
+    and for no prompts, and when the model's logits for a next token hold a NaN or no finite
+    value (nothing to draw from).
 
     group: for a model parallelized over several processes (load_sharded), the process
     group of its ranks, every one calling this with the same prompts: the tokens that the
@@ -372,7 +377,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
                          f"learned positions, abs_positions), got {tokens}")
     stops = _stop_set(eos)
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed((seed + b) % 2**64) for b in range(len(prompts))]
     out = [list(prompt) for prompt in prompts]
     device = model.embed.device
     cache = model.kv_cache(max(map(len, prompts)) + tokens, batch=len(prompts))
@@ -382,7 +387,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         if step:
             last = torch.tensor([[out[b][-1]] for b in active], device=device)
             logits = list(model.decode(last, cache, seqs=active)[:, -1])
-        drawn = [_next_token(row.float().cpu(), temperature, top_p, gen) for row in logits]
+        drawn = [_next_token(row.float().cpu(), temperature, top_p, gens[b]) for b, row in zip(active, logits)]
         if group is not None:
             drawn_t = torch.tensor(drawn, device=device)
             dist.broadcast(drawn_t, group=group, group_src=0)
@@ -398,7 +403,13 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
     """Greedy (temperature 0), else a draw from softmax(logits / temperature) (logits [V])
-    over the smallest set of most likely tokens whose probability reaches top_p."""
+    over the smallest set of most likely tokens whose probability reaches top_p. A row with
+    a NaN, a +inf or no finite logit is a ValueError (argmax took the NaN's place, and
+    multinomial refused with its own message)."""
+    top = float(logits.max())  # NaN where a logit is
+    if not math.isfinite(top):
+        raise ValueError(f"logits: the model's logits for the next token hold {'a NaN' if math.isnan(top) else '+inf' if top > 0 else 'no finite value'} "
+                         f"({int(logits.isnan().sum())} NaN, {int(logits.isinf().sum())} infinite of {logits.numel()}): nothing to draw from")
     if temperature == 0:
         return int(logits.argmax())
     # from the largest logit, in float64: a tiny temperature sends the others to -inf (greedy), never the largest to inf or nan

@@ -311,6 +311,34 @@ def test_a_tiny_temperature_samples_the_greedy_tokens(run_dir):
     assert generate._next_token(torch.tensor([3.0, 1e4, -1e4]), 1e-45, 1.0, gen) == 1
 
 
+def test_logits_with_nothing_to_draw_from_name_the_problem():
+    """A NaN, +inf or no finite logit (a broken model): a ValueError saying so, for greedy
+    decoding too (argmax took the NaN's place silently; multinomial raised its own
+    RuntimeError)."""
+    inf, nan = float("inf"), float("nan")
+    for row, what in (([1.0, nan, 2.0], "a NaN"), ([1.0, inf, 2.0], r"\+inf"), ([-inf, -inf, -inf], "no finite value")):
+        for temperature in (0.0, 1.0):
+            with pytest.raises(ValueError, match=f"logits: the model's logits for the next token hold {what} .* of 3\\): nothing to draw from"):
+                generate._next_token(torch.tensor(row), temperature, 1.0, torch.Generator())
+    assert generate._next_token(torch.tensor([-inf, 0.0, -inf]), 1.0, 1.0, torch.Generator()) == 1  # -inf beside a finite logit: fine
+
+
+def test_each_continuation_draws_from_a_generator_of_its_own(run_dir):
+    """Sequence i samples with seed + i: continuation 0 of a batch is the one drawn alone,
+    and continuation i is generate's with seed + i, whatever the other sequences draw or
+    when they stop (one generator for the batch drew in turn, so a sample depended on the
+    batch it was drawn in)."""
+    model, prompt = run_dir[1], list(b"def ")
+    args = dict(tokens=6, temperature=1.0, top_p=0.95)
+    batch = generate.generate_many(model, [prompt] * 3, seed=5, **args)
+    assert [generate.generate(model, prompt, seed=5 + i, **args) for i in range(3)] == batch
+    assert len({tuple(b) for b in batch}) == 3  # three different draws
+    other = list(b"import ")
+    mixed = generate.generate_many(model, [other, prompt], seed=4, **args)
+    assert mixed[1] == batch[0] and mixed[0] == generate.generate(model, other, seed=4, **args)
+    assert generate.generate_many(model, [prompt], seed=-1, **args)[0] == generate.generate(model, prompt, seed=2**64 - 1, **args)
+
+
 def test_learned_positions_bound_the_prompt_and_tokens(tmp_path):
     """A model of 8 learned absolute positions (abs_positions): a prompt and its new tokens
     fit when they take 8 positions (the last new token is drawn, never fed back); more
