@@ -314,6 +314,7 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
             whose every value underflowed to 0 (all float32 logits below about -103) scores zeros.
         return_counts: also return counts[E] int64 of the returned top-k (the fused kernel
             computes them in the same pass).
+        impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
     Returns:
         (scores [T, E] float32, differentiable; experts [T, k] int64) and counts when asked.
     """
@@ -536,7 +537,8 @@ def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[
 
         max_over_mean    = max_e counts / mean          1 when balanced
         cv               = std_e counts / mean          population std; 0 when balanced
-        dropped_fraction = 1 - sum_e counts / n         slots dropped by capacity
+        dropped_fraction = (n_slots - sum_e counts) / n  slots dropped by capacity; 0 when
+                                                        n_slots is 0 (none asked, none dropped)
 
     Args:
         counts: [E] or [L, E] slots routed to each expert (tokens_per_expert, summed over
@@ -565,12 +567,11 @@ def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[
         n = n_slots.to(device=counts.device)
     else:
         n = torch.tensor(check_positive_int("n_slots", n_slots, 0), device=counts.device)
-    # 1 - total / n as (n - total) / n: for integer counts the difference is exact
-    n = n.clamp(min=1)
+    # (n_slots - total) / n: for integer counts the difference is exact
     counts_f = counts.float()
     mean = counts_f.mean(dim=-1).clamp(min=1e-9)
     return {
         "max_over_mean": counts_f.amax(dim=-1) / mean,
         "cv": counts_f.std(dim=-1, correction=0) / mean,
-        "dropped_fraction": (n - counts.sum(dim=-1)).float() / n.float(),
+        "dropped_fraction": (n - counts.sum(dim=-1)).float() / n.clamp(min=1).float(),
     }

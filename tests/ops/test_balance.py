@@ -526,8 +526,10 @@ def test_load_stats_layers_balance_and_edge_cases():
     for row, counts_E in enumerate(counts_LE):  # each layer as its own [E]
         for name, value in F.load_stats(counts_E, 32).items():
             torch.testing.assert_close(value, stats[name][row])
-    # n_slots 0 counts as 1 (nothing asked, nothing to divide by)
-    torch.testing.assert_close(F.load_stats(torch.tensor([1, 1]), 0)["dropped_fraction"], torch.tensor(-1.0))
+    # n_slots 0: nothing asked, nothing dropped (it said 1.0, all dropped); counts past the slots asked stay visible (below 0)
+    torch.testing.assert_close(F.load_stats(torch.tensor([0, 0]), 0)["dropped_fraction"], torch.tensor(0.0))
+    torch.testing.assert_close(F.load_stats(torch.tensor([0, 0]), torch.tensor(0))["dropped_fraction"], torch.tensor(0.0))
+    torch.testing.assert_close(F.load_stats(torch.tensor([1, 1]), 0)["dropped_fraction"], torch.tensor(-2.0))
 
 
 def test_load_stats_reads_nothing_on_the_host():
