@@ -557,6 +557,10 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
     alone, and zero_fraction [L] is the share of the slots the zero experts took.
     The maths is fmoe.ops.load_stats'; tensors in, tensors out (no host sync: to_host turns
     them into numbers with the step's other values)."""
+    if isinstance(counts, Sequence) and counts and all(isinstance(row, torch.Tensor) for row in counts):
+        if len({(row.shape, row.device) for row in counts}) != 1:
+            raise ValueError(f"counts: expected [E] rows of one shape and device, got {[(tuple(r.shape), str(r.device)) for r in counts]}")
+        counts = torch.stack(list(counts))  # each layer's tokens_per_expert
     counts_LE = torch.as_tensor(counts) if not isinstance(counts, torch.Tensor) else counts
     if counts_LE.ndim != 2 or counts_LE.shape[1] == 0:
         raise ValueError(f"counts: expected [L, E] counts with E >= 1 (one row per MoE layer), got shape {tuple(counts_LE.shape)}")

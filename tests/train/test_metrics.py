@@ -143,6 +143,11 @@ def test_layer_loads_are_load_stats_as_record_entries():
     assert rec["load_max_over_mean"] == pytest.approx([(counts.max() / counts.mean()).item()])
     with pytest.raises(ValueError, match="counts"):
         M.layer_loads(torch.zeros(4), slots=4)
+    # a list of each layer's tokens_per_expert, as the docstring says (torch.as_tensor raised a TypeError on it)
+    rows = [torch.tensor([6, 2, 0, 4]), torch.tensor([3, 3, 3, 3])]
+    assert M.to_host(M.layer_loads(rows, slots=12)) == M.to_host(M.layer_loads(torch.stack(rows), slots=12))
+    with pytest.raises(ValueError, match=r"counts: expected \[E\] rows of one shape and device, got \[\(\(4,\), 'cpu'\), \(\(3,\), 'cpu'\)\]"):
+        M.layer_loads([rows[0], rows[1][:3]], slots=12)
 
 
 def test_layer_loads_with_zero_experts():
