@@ -446,15 +446,16 @@ def _check_groups(E, k, n_groups, topk_groups, group_score_topk):
     return n_groups, topk_groups, group_score_topk
 
 
-def _score_code(score, pre_softmax: bool, normalize: bool) -> int:
-    """The kernels' scoring mode of route's score, pre_softmax and normalize (checked)."""
+def _score_code(score, pre_softmax: bool, normalize: bool, raw_softmax: str = " (softmax: use pre_softmax=True for unnormalised weights)") -> int:
+    """The kernels' scoring mode of route's score, pre_softmax and normalize (checked);
+    raw_softmax: what the error of softmax with normalize=False suggests."""
     if score not in ROUTE_SCORES:
         raise ValueError(f"score: expected one of {ROUTE_SCORES}, got {score!r}")
     check_bools(pre_softmax=pre_softmax, normalize=normalize)
     if score != "softmax" and pre_softmax:
         raise ValueError("pre_softmax: applies to score='softmax' only")
     if score == "softmax" and not normalize:
-        raise ValueError("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only (softmax: use pre_softmax=True for unnormalised weights)")
+        raise ValueError(f"normalize: applies to score='sigmoid' or 'sqrtsoftplus' only{raw_softmax}")
     if score == "sigmoid":
         return SIGMOID if normalize else SIGMOID_RAW
     if score == "sqrtsoftplus":
@@ -615,7 +616,7 @@ def hash_route(
         raise ValueError(f"table: expected [V, k] with k in 1..{E} (experts per token), got k = {k}")
     for name, t in (("token_ids", token_ids), ("table", table)):
         check_device(name, t, logits.device)
-    code = _score_code(score, False, normalize)
+    code = _score_code(score, False, normalize, raw_softmax=" (a softmax over the k chosen logits sums to 1)")
     scale = _check_scale(scale)
     if checking(check, logits, token_ids, table):
         check_no_nan("logits", logits)

@@ -303,7 +303,8 @@ def test_hash_route_bad_inputs():
     assert F.hash_route(x, torch.tensor([0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [9, 9]])).experts.tolist() == [[0, 1], [2, 3]] * 2
     _raises("logits: contains NaN", F.hash_route, torch.full((4, 6), float("nan")), ids, table)
     _raises("score: expected one of", F.hash_route, x, ids, table, score="relu")
-    _raises("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only", F.hash_route, x, ids, table, normalize=False)
+    with pytest.raises(ValueError, match=r"^normalize: applies to score='sigmoid' or 'sqrtsoftplus' only \(a softmax over the k chosen logits sums to 1\)$"):
+        F.hash_route(x, ids, table, normalize=False)  # not route's hint of pre_softmax, which hash_route has not
     _raises("scale: expected a positive finite number", F.hash_route, x, ids, table, scale=-1.0)
     _raises("table: expected device meta", F.hash_route, x.to("meta"), ids.to("meta"), table)
 
