@@ -106,7 +106,7 @@ def interpreter_problem(triton_version: str | None = None, numpy_version: str | 
     if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
         return (f"impl='triton' on CPU: the interpreter of Triton {triton_version} cannot run fmoe's kernels with numpy {numpy_version} "
                 "(it converts scalar arguments by int() of a 1-element array, which numpy 2.4 refuses); install numpy<2.4, or "
-                "Triton 3.7 or newer (make setup pins torch 2.13.0 with Triton 3.7.1), or use impl='torch'")
+                "Triton 3.7 or newer (pip install torch==2.13.0 triton==3.7.1, the pair make setup pins on CPU), or use impl='torch'")
     return None
 
 

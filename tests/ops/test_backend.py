@@ -29,6 +29,7 @@ def test_interpreter_problem_names_the_versions_and_the_fix(triton_version, nump
     if refused:
         assert f"Triton {triton_version}" in problem and f"numpy {numpy_version}" in problem
         assert "install numpy<2.4, or Triton 3.7 or newer" in problem and "impl='torch'" in problem
+        assert "(pip install torch==2.13.0 triton==3.7.1, the pair make setup pins on CPU)" in problem  # a command without the checkout too
 
 
 def test_interpreted_kernels_refuse_an_interpreter_that_cannot_run_them(monkeypatch):
