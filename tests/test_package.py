@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+import fmoe
 import fmoe.ops
 import fmoe.optim
 
@@ -143,4 +144,5 @@ def test_the_source_distribution_holds_the_license_and_what_runs_the_tests(tmp_p
     wanted = {n for n in tracked if n.startswith(("tests/", "examples/", "benchmarks/", "fmoe/"))} | {"LICENSE", "Makefile", "README.md"}
     assert wanted <= names, sorted(wanted - names)[:10]
     assert "License-Expression: BSD-3-Clause" in info and "License-File: LICENSE" in info
+    assert f"\nVersion: {fmoe.__version__}\n" in info  # the package's own __version__, written once
     assert "Copyright (c)" in (ROOT / "LICENSE").read_text()
