@@ -141,7 +141,7 @@ def test_the_source_distribution_holds_the_license_and_what_runs_the_tests(tmp_p
     with tarfile.open(tmp_path / "dist" / built.stdout.split()[-1]) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
         info = sdist.extractfile(next(n for n in sdist.getnames() if n.endswith("/PKG-INFO"))).read().decode()
-    wanted = {n for n in tracked if n.startswith(("tests/", "examples/", "benchmarks/", "fmoe/"))} | {"LICENSE", "Makefile", "README.md"}
+    wanted = {n for n in tracked if n.startswith(("tests/", "examples/", "benchmarks/", "fmoe/"))} | {"LICENSE", "Makefile", "README.md", "SPEC.md", "DESIGN.md"}
     assert wanted <= names, sorted(wanted - names)[:10]
     assert "License-Expression: BSD-3-Clause" in info and "License-File: LICENSE" in info
     assert f"\nVersion: {fmoe.__version__}\n" in info  # the package's own __version__, written once
