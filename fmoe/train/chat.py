@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Union
@@ -112,10 +113,24 @@ def _tokens_of(config: Path) -> dict[str, str]:
     return tokens
 
 
+SANDBOX_JINJA2 = (3, 1, 6)  # the first jinja2 with the sandbox fixes a template from a model folder (code) needs
+
+
+def check_jinja2(version: str) -> None:
+    """An ImportError unless jinja2 `version` is SANDBOX_JINJA2 or newer: a chat template
+    comes from a model folder, and an older sandbox lets such a template escape it."""
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+    if numbers < SANDBOX_JINJA2:
+        raise ImportError(f"jinja2 {version}: chat templates run in jinja2's sandbox, whose fixes need jinja2 3.1.6 or newer: "
+                          "pip install 'fmoe[data]' (or 'jinja2>=3.1.6')")
+
+
 def _environment():
     import jinja2  # a dependency of torch
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    check_jinja2(jinja2.__version__)
 
     class Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` (templates that mark the assistant's text for

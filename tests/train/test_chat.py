@@ -12,7 +12,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
 
-from fmoe.train.chat import ChatTemplate, load_chat_template  # noqa: E402
+from fmoe.train.chat import ChatTemplate, check_jinja2, load_chat_template  # noqa: E402
 from fmoe.train.data import index_path, load_corpus  # noqa: E402
 from fmoe.train.prepare import prepare  # noqa: E402
 
@@ -461,3 +461,14 @@ def test_a_conversation_without_an_assistant_turn_is_skipped_unrendered():
     with pytest.raises(ValueError, match="refused a conversation"):  # with an assistant turn it is rendered, and refused, as before
         template.documents([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "b"},
                             {"role": "user", "content": "q"}])
+
+
+def test_a_jinja2_without_the_sandbox_fixes_is_refused():
+    """A chat template is code from a model folder, run in jinja2's sandbox: jinja2 before
+    3.1.6 (torch's unpinned dependency could bring one) lets it escape, so it is refused,
+    naming the version and the fix; 3.1.6 and newer pass, whatever their suffix."""
+    for old in ("3.1.5", "3.0.3", "2.11.3"):
+        with pytest.raises(ImportError, match=rf"jinja2 {old}: chat templates run in jinja2's sandbox, .*'jinja2>=3\.1\.6'"):
+            check_jinja2(old)
+    for new in ("3.1.6", "3.2.0", "4.0.0rc1", "3.1.10"):
+        check_jinja2(new)
