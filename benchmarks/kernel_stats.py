@@ -224,14 +224,16 @@ def cases():
     # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor; "factor": the
     # clip's factor taken into the step (the train loop's)
     adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64", factor_ptr="*fp32")
-    adamw_scalars = dict(n_tensors="i32", decay="fp32", beta1="fp32", beta2="fp32", eps="fp32", step_size="fp32", bc2_sqrt="fp32")
+    adamw_scalars = dict(n_tensors="i32", decay="fp32", beta1="fp32", beta2="fp32", eps="fp32", step_size="fp32", bc2_sqrt="fp32",
+                         salt_m="i32", salt_v="i32")
     for name, param_ty, state_ty, master, factor in (
         ("adamw fp32", tl.float32, tl.float32, False, False), ("adamw bf16 states", tl.float32, tl.bfloat16, False, False),
         ("adamw bf16 factor", tl.float32, tl.bfloat16, False, True), ("adamw master", tl.bfloat16, tl.bfloat16, True, False),
     ):
         for aligned in (True, False):
             yield f"{name}{'' if aligned else ' unaligned'}", adamw._adamw_kernel, adamw_ptrs, adamw_scalars, dict(
-                PARAM_TY=param_ty, GRAD_TY=param_ty, STATE_TY=state_ty, MASTER=master, FACTOR=factor, ALIGNED=aligned,
+                PARAM_TY=param_ty, GRAD_TY=param_ty, STATE_TY=state_ty, STOCHASTIC=state_ty == tl.bfloat16, MASTER=master, FACTOR=factor,
+                ALIGNED=aligned,
                 CHUNK=adamw.CHUNK, **adamw._META)
     # the clip's scale of bf16 gradients by a float32 factor (fmoe.optim.adamw.scale_)
     scale_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64", factor_ptr="*fp32")

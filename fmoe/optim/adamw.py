@@ -17,8 +17,20 @@ gradients; with float32 gradients the step equals clip_grad_norm followed by a p
 bit for bit.
 
 All arithmetic is float32. With state_dtype=torch.bfloat16 m and v are stored in bf16 (half
-the state memory): each step loads them, updates in float32 and stores them rounded to
-nearest even. With master_weights=True a float32 copy of each parameter lives in the state
+the state memory): each step loads them, updates in float32 and stores them rounded, by
+default stochastically (state_rounding="stochastic"): up with probability the fraction of a
+bf16 step that the float32 value lies above the lower bf16 neighbour, so that a stored moment
+is the float32 one on average. Rounded to nearest ("nearest"), a moment whose step change is
+under half of bf16's spacing (2^-9 of its value) never moves: with beta2 = 0.999 v changes by
+(1 - beta2)(g^2 - v), at most 0.001 v down, and v could never decrease (a constant gradient
+left it near g^2 / 4, and after the gradients shrank tenfold it kept its value for thousands
+of steps, where float32 states follow them). The "random" bits are a hash of the step's
+inputs to the moment, the gradient's float32 bits and the moment's stored bits, with the step
+and which moment it is (stochastic_bits): no generator, the same bits however the parameter
+is sharded, the same on both paths (their float32 results may differ in the last bit; the
+inputs do not), and a resumed run rounds as the uninterrupted one.
+
+With master_weights=True a float32 copy of each parameter lives in the state
 ("master"): the update applies to it and the parameter (e.g. bf16) receives it rounded. A
 parameter that is not float32 and has no master is updated in float32 and rounded back.
 
@@ -47,6 +59,8 @@ from fmoe.ops.backend import use_triton
 from fmoe.ops.checks import check_float
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_ROUNDINGS = ("stochastic", "nearest")
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B9, 0x7FEB352D, 0x846CA68B  # the step's salt; lowbias32's two multipliers
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # torch.optim.AdamW's flags that this AdamW does not implement, with the value it assumes
 _UNSUPPORTED_FLAGS = dict(maximize=False, amsgrad=False, decoupled_weight_decay=True)
@@ -73,9 +87,64 @@ def _store(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
-def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, factor=None):
+def moment_salt(step: float, moment: int) -> int:
+    """The salt of stochastic_bits for a step's moment (0: exp_avg, 1: exp_avg_sq), < 2^31."""
+    return ((int(step) * _GOLDEN) ^ (moment * _MIX1)) & 0x7FFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for int64 h in [0, 2^32) and c < 2^32, with no product past 2^48."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of float32 x as int64 in [0, 2^32)."""
+    return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def moment_key(grad: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """The input of stochastic_bits for a moment's rounding: the float32 gradient's bits xor
+    the stored (bf16) moment's 16 bits, before the step (int64 in [0, 2^32))."""
+    return _bits(grad) ^ (_bits(stored.float()) >> 16)
+
+
+def stochastic_bits(key: torch.Tensor, salt: int) -> torch.Tensor:
+    """16 pseudo-random bits [0, 2^16) per key (int64 in [0, 2^32)): lowbias32 (an integer
+    hash: xor-shifts and two multiplies) of key ^ salt, its low half. The Triton kernel
+    computes the same in uint32."""
+    h = key ^ salt
+    h = h ^ (h >> 16)
+    h = _mul32(h, _MIX1)
+    h = h ^ (h >> 15)
+    h = _mul32(h, _MIX2)
+    h = h ^ (h >> 16)
+    return h & 0xFFFF
+
+
+def round_stochastic_bf16(x: torch.Tensor, key: torch.Tensor, salt: int) -> torch.Tensor:
+    """float32 x rounded to bf16 up (in magnitude) when its low 16 bits plus
+    stochastic_bits(key, salt) carry into the high half, else down: up with probability the
+    low half's fraction of a bf16 step; NaN kept, inf stays inf."""
+    bits = _bits(x)
+    up = (bits + stochastic_bits(key, salt)) & 0xFFFF0000
+    bits = torch.where(x.isnan(), bits, up)
+    return ((bits >> 16).to(torch.int32) << 16).view(torch.float32).to(torch.bfloat16)  # exact: the low half is 0
+
+
+def _store_moments(dst: list[torch.Tensor], src: list[torch.Tensor], grads: list[torch.Tensor], salt: Optional[int]) -> None:
+    """Round the float32 moments back into their storage: stochastically with a salt into
+    bf16 (round_stochastic_bf16, keyed by the float32 gradients and dst's values before the
+    step), else to nearest (_store)."""
+    if salt is None or not dst or dst[0].dtype != torch.bfloat16:
+        _store(dst, src)
+        return
+    torch._foreach_copy_(dst, [round_stochastic_bf16(t, moment_key(g, d), salt) for d, t, g in zip(dst, src, grads)])
+
+
+def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, factor=None, stochastic=False):
     """One AdamW step with torch._foreach ops, in the order of torch.optim.AdamW(foreach=True);
-    factor (a float32 0-D tensor or None) multiplies float32 copies of the gradients."""
+    factor (a float32 0-D tensor or None) multiplies float32 copies of the gradients;
+    stochastic: bf16 moments rounded stochastically (module docstring)."""
     p32, g32, m32, v32 = _f32(params), _f32(grads), _f32(exp_avgs), _f32(exp_avg_sqs)
     if factor is not None:
         g32 = torch._foreach_mul(g32, factor)
@@ -87,8 +156,9 @@ def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, ep
     torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(p32, m32, denom, -lr / (1 - beta1**step))
-    for dst, src in ((params, p32), (exp_avgs, m32), (exp_avg_sqs, v32)):
-        _store(dst, src)
+    _store(params, p32)
+    for moment, (dst, src) in enumerate(((exp_avgs, m32), (exp_avg_sqs, v32))):
+        _store_moments(dst, src, g32, moment_salt(step, moment) if stochastic else None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -109,10 +179,29 @@ def _round_to(x, TY: tl.constexpr):
 
 
 @triton.jit
+def _round_state(x, key, salt, TY: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """A moment's float32 x into its storage TY: stochastically into bf16 with STOCHASTIC
+    (round_stochastic_bf16's, stochastic_bits of key (uint32, moment_key's) in uint32), else
+    _round_to."""
+    if STOCHASTIC and TY == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        h = key ^ salt.to(tl.uint32)
+        h = h ^ (h >> 16)
+        h = h * tl.full(h.shape, 0x7FEB352D, tl.uint32)
+        h = h ^ (h >> 15)
+        h = h * tl.full(h.shape, 0x846CA68B, tl.uint32)
+        h = h ^ (h >> 16)
+        bits = tl.where(x != x, bits, bits + (h & 0xFFFF))
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return _round_to(x, TY)
+
+
+@triton.jit
 def _adamw_kernel(
     table_ptr, chunk_tensor_ptr, factor_ptr, n_tensors,
-    decay, beta1, beta2, eps, step_size, bc2_sqrt,
-    PARAM_TY: tl.constexpr, GRAD_TY: tl.constexpr, STATE_TY: tl.constexpr,
+    decay, beta1, beta2, eps, step_size, bc2_sqrt, salt_m, salt_v,
+    PARAM_TY: tl.constexpr, GRAD_TY: tl.constexpr, STATE_TY: tl.constexpr, STOCHASTIC: tl.constexpr,
     MASTER: tl.constexpr, FACTOR: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program c updates elements [j*CHUNK, (j+1)*CHUNK) of tensor i = chunk_tensor[c].
@@ -157,13 +246,20 @@ def _adamw_kernel(
             g = g * factor
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if STOCHASTIC:  # moment_key: the gradient's bits and the stored moment's, before the step
+            g_bits = g.to(tl.uint32, bitcast=True)
+            key_m = g_bits ^ (m.to(tl.uint32, bitcast=True) >> 16)
+            key_v = g_bits ^ (v.to(tl.uint32, bitcast=True) >> 16)
+        else:
+            key_m = 0
+            key_v = 0
         p = p * decay
         m = m + (1.0 - beta1) * (g - m)
         v = v * beta2 + (1.0 - beta2) * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
-        tl.store(m_ptr + idx, _round_to(m, STATE_TY), mask=mask)
-        tl.store(v_ptr + idx, _round_to(v, STATE_TY), mask=mask)
+        tl.store(m_ptr + idx, _round_state(m, key_m, salt_m, STATE_TY, STOCHASTIC), mask=mask)
+        tl.store(v_ptr + idx, _round_state(v, key_v, salt_v, STATE_TY, STOCHASTIC), mask=mask)
         if MASTER:
             tl.store(w_ptr + idx, p, mask=mask)
         tl.store(p_ptr + idx, _round_to(p, PARAM_TY), mask=mask)
@@ -198,7 +294,7 @@ class _TableCache:
 
 
 def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, step,
-                  factor=None):
+                  factor=None, stochastic=False):
     """Fused launches for contiguous tensors sharing param, grad and state dtypes (masters:
     a float32 tensor per param, or None for all; factor: a float32 0-D tensor on their
     device, or None); bucket: their key in the cache. The
@@ -215,7 +311,9 @@ def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, 
         _adamw_kernel[(entries.numel(),)](
             table, entries, table if factor is None else factor, len(cols),
             1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+            moment_salt(step, 0), moment_salt(step, 1),
             PARAM_TY=_TL[params[0].dtype], GRAD_TY=_TL[grads[0].dtype], STATE_TY=_TL[exp_avgs[0].dtype],
+            STOCHASTIC=stochastic and exp_avgs[0].dtype == torch.bfloat16,
             MASTER=masters is not None, FACTOR=factor is not None, ALIGNED=aligned, CHUNK=CHUNK, **_META,
         )
 
@@ -413,6 +511,9 @@ class AdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as torch.optim.AdamW; per group.
         state_dtype: dtype in which exp_avg and exp_avg_sq are stored, torch.float32 or
             torch.bfloat16 (half the state memory; the update is still float32).
+        state_rounding: how bf16 moments are rounded when stored, "stochastic" (the
+            default: unbiased, module docstring) or "nearest" (even; a moment whose change
+            is under half a bf16 step stays where it is). No effect on float32 states.
         master_weights: keep a float32 copy of each non-float32 parameter in the state
             ("master"), update it and round it into the parameter. A loaded state follows
             this setting, not the saved one (load_state_dict). From its first step the
@@ -434,11 +535,14 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         *,
         state_dtype: torch.dtype = torch.float32,
+        state_rounding: str = "stochastic",
         master_weights: bool = False,
         impl: str = "auto",
     ):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype}")
+        if state_rounding not in STATE_ROUNDINGS:
+            raise ValueError(f"state_rounding: expected one of {STATE_ROUNDINGS}, got {state_rounding!r}")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl: expected 'auto', 'triton' or 'torch', got {impl!r}")
         if not isinstance(master_weights, bool):  # "no" is truthy: it turned masters on
@@ -451,6 +555,7 @@ class AdamW(torch.optim.Optimizer):
         check_ordered(params)
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
+        self.state_rounding = state_rounding
         self.master_weights = master_weights
         self.impl = impl
         self._cache = _TableCache()
@@ -462,10 +567,12 @@ class AdamW(torch.optim.Optimizer):
         """torch's keeps defaults, state and param_groups only: a deepcopy, pickle or
         torch.save of the optimizer lost state_dtype, master_weights and impl, and the
         copy's first step failed."""
-        return {**super().__getstate__(), "state_dtype": self.state_dtype, "master_weights": self.master_weights, "impl": self.impl}
+        return {**super().__getstate__(), "state_dtype": self.state_dtype, "state_rounding": self.state_rounding,
+                "master_weights": self.master_weights, "impl": self.impl}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("state_rounding", "nearest")  # pickled before the setting: the rounding it was made with
         self._cache = _TableCache()
         self._steps = {}  # read again from state["step"] at the next step
 
@@ -603,7 +710,8 @@ class AdamW(torch.optim.Optimizer):
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for _, s in items]
         masters = [_local(s["master"]) for _, s in items] if "master" in items[0][1] else None
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step, factor=factor)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step, factor=factor,
+                     stochastic=self.state_rounding == "stochastic")
         tensors = params + grads + exp_avgs + exp_avg_sqs + (masters or [])
         if use_triton(self.impl, *params) and all(t.is_contiguous() for t in tensors):
             _adamw_triton(self._cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, **hyper)

@@ -83,6 +83,77 @@ def test_bf16_states(impl, device):
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) > 1e-6
 
 
+def _moments(state_rounding, impl, grads, split=False, betas=(0.9, 0.999), device="cpu"):
+    """(exp_avg, exp_avg_sq) in float32 after AdamW steps with bf16 moments over `grads`, a
+    list of [n] gradients; split: the tensor as two parameters, its two halves."""
+    n = grads[0].numel()
+    params = [torch.nn.Parameter(torch.zeros(k, device=device)) for k in ((n // 3, n - n // 3) if split else (n,))]
+    opt = AdamW(params, lr=0.0, betas=betas, weight_decay=0.0, state_dtype=torch.bfloat16, state_rounding=state_rounding, impl=impl)
+    for g in grads:
+        for p, part in zip(params, g.split([p.numel() for p in params])):
+            p.grad = part.clone()
+        opt.step()
+    return [torch.cat([opt.state[p][k].float() for p in params]) for k in ("exp_avg", "exp_avg_sq")]
+
+
+def test_bf16_moments_round_stochastically_and_follow_float32_ones():
+    """beta2 = 0.999 (the default): a step changes v by (1 - beta2)(g^2 - v), at most 0.001 v
+    down, under half of bf16's spacing (2^-9 v). Rounded to nearest, v never decreased: after
+    the gradients shrank tenfold it kept its value for good (float32 states: 6x smaller 2000
+    steps later). Rounded stochastically (the default) it is the float32 v on average."""
+    g = torch.Generator().manual_seed(0)
+    grads = [(1.0 if t < 300 else 0.1) * (1 + 0.1 * torch.randn(2048, generator=g)) for t in range(2300)]
+
+    def means(state_dtype, state_rounding):
+        params = [torch.nn.Parameter(torch.zeros(2048))]
+        opt = AdamW(params, lr=0.0, weight_decay=0.0, state_dtype=state_dtype, state_rounding=state_rounding, impl="torch")
+        out = []
+        for t, grad in enumerate(grads):
+            params[0].grad = grad
+            opt.step()
+            if t in (299, 799, 2299):
+                out.append(opt.state[params[0]]["exp_avg_sq"].float().mean().item())
+        return out
+
+    exact, stochastic, nearest = means(torch.float32, "nearest"), means(torch.bfloat16, "stochastic"), means(torch.bfloat16, "nearest")
+    assert exact[2] < exact[0] / 5
+    assert all(abs(a / b - 1) < 0.01 for a, b in zip(stochastic, exact)), (stochastic, exact)
+    assert nearest[0] == nearest[1] == nearest[2] and nearest[2] > 5 * exact[2], nearest  # stuck
+
+
+def test_stochastic_rounding_is_the_same_on_both_paths_and_however_the_tensor_is_split(device):
+    """The rounding's bits are a hash of the gradient's bits and the stored moment's, with the
+    step: the Triton kernel and the torch path store the same moments (their float32 values
+    may differ in the last bit, the hash's inputs do not), a tensor stepped as two
+    parameters (FSDP2's shards) the same as whole, and the result is not round-to-nearest."""
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(999, generator=g).to(device) for _ in range(12)]
+    ref = _moments("stochastic", "torch", grads, device=device)
+    for impl, split in (("triton", False), ("torch", True), ("triton", True)):
+        got = _moments("stochastic", impl, grads, split=split, device=device)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), (impl, split)
+    nearest = _moments("nearest", "torch", grads, device=device)
+    assert not torch.equal(nearest[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(_moments("nearest", "triton", grads, device=device), nearest))
+
+
+def test_stochastic_bf16_rounding_is_unbiased_and_keeps_nan_and_inf():
+    """Over many keys a value between two bf16 neighbours rounds up with the probability of
+    its place between them; bf16 values stay, NaN stays NaN, +-inf stay."""
+    from fmoe.optim.adamw import round_stochastic_bf16
+
+    lo = torch.tensor(1.0)
+    step = 2.0**-7  # bf16's spacing at 1
+    keys = torch.arange(20000, dtype=torch.int64) * 2654435761 % 2**32
+    for frac in (0.1, 0.25, 0.5, 0.9):
+        x = torch.full((20000,), 1.0 + frac * step)
+        up = (round_stochastic_bf16(x, keys, 12345).float() > lo).float().mean().item()
+        assert abs(up - frac) < 0.015, (frac, up)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.5, -2.0, 0.0])
+    out = round_stochastic_bf16(special, torch.arange(6), 7).float()
+    assert out[0].isnan() and out[1:].tolist() == [float("inf"), -float("inf"), 1.5, -2.0, 0.0]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_master_weights(impl, device):
     bf16 = [p.to(torch.bfloat16) for p in make_params(device, shapes=[(64,), (32, 48)])]
@@ -244,12 +315,13 @@ def test_grad_factor_refusals(factor, message):
         (dict(impl="cuda"), "impl"),
         (dict(master_weights="no"), "master_weights"),  # truthy: masters were kept
         (dict(master_weights=None), "master_weights"),
+        (dict(state_rounding="up"), "state_rounding"),
     ],
 )
 def test_validation(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         AdamW([torch.zeros(2, requires_grad=True)], **kwargs)
-    if name in ("state_dtype", "impl", "master_weights"):
+    if name in ("state_dtype", "impl", "master_weights", "state_rounding"):
         return  # optimizer-wide, not per group
     with pytest.raises(ValueError, match=f"^{name}:"):  # a param group's own value is checked the same
         AdamW([{"params": [torch.zeros(2, requires_grad=True)], **kwargs}])
