@@ -224,6 +224,16 @@ def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: Optional[bool]) 
     return list(torch._foreach_norm(grads, p, dtype=torch.float32))
 
 
+def _max_keeping_nan(local: torch.Tensor, group) -> torch.Tensor:
+    """The MAX over `group` of a 0-D float32 `local`, NaN where any rank's is NaN: gloo's MAX
+    of NaN and a number gives either, by the ranks' order (a NaN on one rank's shard was
+    lost, and the clip scaled the gradients by a finite factor). One collective of the value
+    with NaN as 0 and a NaN flag."""
+    packed = torch.stack([torch.where(local.isnan(), 0.0, local), local.isnan().float()])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(packed[1] > 0, float("nan"), packed[0])
+
+
 def _distributed_norm(tensors: list[Optional[torch.Tensor]], p: float, pg: Optional[dist.ProcessGroup], world: int,
                       foreach: Optional[bool], pp: Optional[dist.ProcessGroup] = None, what: str = "its gradient") -> torch.Tensor:
     """The module docstring's algorithm over `tensors` (the .grad of each parameter, or the
@@ -244,9 +254,9 @@ def _distributed_norm(tensors: list[Optional[torch.Tensor]], p: float, pg: Optio
             norms = _tensor_norms(grads, p, foreach)
             local = torch.maximum(local, torch.stack([n.to(device) for n in norms]).max())
         if world > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
+            local = _max_keeping_nan(local, pg)
         if pp is not None:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
+            local = _max_keeping_nan(local, pp)
         return local
 
     local = torch.zeros((), dtype=torch.float64, device=device)

@@ -8,6 +8,8 @@ validation runs in this process (it comes before any collective).
 """
 
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -550,8 +552,28 @@ def _mismatched_names_results(rank):
                 collided={k: v.item() for k, v in collided.items()}, joined={k: v.item() for k, v in joined.items()})
 
 
+def _nan_inf_norm_results(rank, world_size):
+    """The inf norm of a gradient sharded over the ranks with a NaN on one rank's shard only
+    (rows 0-3 on rank 0, 4-7 on rank 1), for the NaN on each rank in turn."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for nan_row in (1, 6):
+        full = torch.arange(1.0, 9.0).reshape(8, 1)
+        full[nan_row, 0] = float("nan")
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 1), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(full, mesh, [Shard(0)])
+        norm = grad_norm([p], norm_type=INF)
+        clipped = clip_grad_norm([p], 1.0, norm_type=INF)
+        out[nan_row] = (norm.item(), clipped.item(), p.grad.to_local().isnan().all().item())
+    return out
+
+
 def _world2(rank, world_size):
     return dict(
+        nan_inf=_nan_inf_norm_results(rank, world_size),
         seq=_seq_split_results(rank, SEQ_CASES_2, dist.group.WORLD, rank),
         seq_layers=_seq_layers_results(rank, world_size),
         counts=_counts_results(rank, world_size),
@@ -595,6 +617,17 @@ def world4():
 
 
 # ---------------------------------------------------------------------------- tests
+
+
+def test_an_inf_norm_is_nan_on_every_rank_where_one_rank_s_shard_holds_a_nan(world2):
+    """gloo's MAX of NaN and a number gives either, by the ranks' order: a NaN on rank 1's
+    shard gave an inf norm of 4.0 (rank 0's maximum), and the clip scaled the gradients by a
+    finite factor. Now NaN on both ranks, wherever the NaN is, and the clip's gradients NaN
+    (as one process's clip_grad_norm makes them)."""
+    for r in world2:
+        for nan_row in (1, 6):
+            norm, clipped, grads_nan = r["nan_inf"][nan_row]
+            assert math.isnan(norm) and math.isnan(clipped) and grads_nan, (nan_row, r["nan_inf"])
 
 
 def test_seq_loss_split_over_2_ranks_adds_up_to_unsplit(world2):
