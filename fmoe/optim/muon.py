@@ -158,6 +158,15 @@ def check_hyperparameters(group: dict) -> None:
         raise ValueError(f"ns_dtype: expected a floating torch.dtype (torch.bfloat16, torch.float32), got {dtype!r}")
 
 
+def own_buffers(state) -> None:
+    """Give every loaded momentum buffer its own storage: torch's loader keeps a saved tensor
+    of the parameter's dtype and device as it is, so an optimizer loaded from another's
+    in-memory state_dict() stepped the other's buffers too (and the other its)."""
+    for entry in state.values():
+        if isinstance(entry.get("momentum_buffer"), torch.Tensor):
+            entry["momentum_buffer"] = entry["momentum_buffer"].clone()
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for matrix parameters (ndim >= 2; leading dims of a stack are a batch of matrices;
     real floating point, each in the optimizer once).
@@ -205,13 +214,14 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(with_names(param_group, params, names))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader, after checking each saved momentum_buffer against its parameter's
+        """torch's loader, with copies of the momentum buffers (own_buffers), after checking each saved momentum_buffer against its parameter's
         shape: ValueError naming the parameter's index and both shapes (torch's loader took
         it, and the next step failed inside torch), and for a saved group's hyperparameter
         that step() would refuse, or another optimizer's group (check_hyperparameters)."""
         check_saved_groups(state_dict, check_hyperparameters)
         check_state_shapes(self.param_groups, state_dict, {"momentum_buffer": lambda p: _local(p).shape})
         super().load_state_dict(state_dict)
+        own_buffers(self.state)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):

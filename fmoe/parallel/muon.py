@@ -116,7 +116,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from fmoe.optim.adamw import check_ordered, check_saved_groups, check_state_shapes, split_names, with_names
-from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, shape_scale
+from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, own_buffers, shape_scale
 from fmoe.ops.backend import local_tensor as _local
 
 Block = tuple[slice, ...]  # a rank's shard of a matrix: one slice per dim of the full tensor
@@ -485,3 +485,4 @@ class DistributedMuon(torch.optim.Optimizer):
         check_saved_groups(state_dict, check_hyperparameters)
         check_state_shapes(self.param_groups, state_dict, {"momentum_buffer": lambda p: p.shape})
         super().load_state_dict(state_dict)
+        own_buffers(self.state)

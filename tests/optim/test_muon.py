@@ -529,6 +529,22 @@ def test_newton_schulz_refuses_non_floating_input_and_bad_steps():
             newton_schulz(torch.randn(3, 3), steps=steps)
 
 
+def test_an_optimizer_loaded_from_another_s_state_dict_owns_its_momentum():
+    """opt2.load_state_dict(opt1.state_dict()) in memory: each steps its own buffers (torch's
+    loader kept the tensors, and both optimizers then moved both buffers)."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(4, 3, generator=g).requires_grad_() for _ in range(2)]
+    opt1, opt2 = Muon(params[:1], lr=0.1), Muon(params[1:], lr=0.1)
+    params[0].grad = torch.randn(4, 3, generator=g)
+    opt1.step()
+    opt2.load_state_dict(opt1.state_dict())
+    before = opt2.state[params[1]]["momentum_buffer"].clone()
+    params[0].grad = torch.randn(4, 3, generator=g)
+    opt1.step()
+    assert torch.equal(opt2.state[params[1]]["momentum_buffer"], before)
+    assert not torch.equal(opt1.state[params[0]]["momentum_buffer"], before)
+
+
 def test_load_refuses_a_momentum_buffer_of_another_shape():
     """torch's loader took a buffer of another parameter's shape; the next step then failed
     inside torch (or broadcast a [1, n] parameter's update from a [3, n] buffer)."""
