@@ -71,7 +71,7 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import StopRequests, every_rank, nearest, run_script, set_deterministic, write_config
+from fmoe.train.run import OutDirInUse, OutDirLock, StopRequests, every_rank, nearest, run_script, set_deterministic, write_config
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -493,10 +493,17 @@ def main(argv: list[str]) -> None:
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     # a new run in a folder of an earlier run's checkpoints: they would mix with this run's (each rank looks: one
     # node alone seeing them stops every rank at once, not that rank alone a minute after the others went on)
+    # one run at a time in an out_dir: rank 0 holds it (before a resume's cleanup of partial checkpoints, another run's included)
+    held, out_dir_lock = None, None  # the lock lives as long as this function: the run
+    if rank == 0:
+        try:
+            out_dir_lock = OutDirLock(cfg.out_dir)
+        except OutDirInUse as err:
+            held = str(err)
     earlier = None if cfg.resume else checkpoint.latest(cfg.out_dir)
-    if refusal := every_rank(None if earlier is None else (
+    if refusal := every_rank(held or (None if earlier is None else (
             f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "
-            "that run; for a new one give another --out_dir, or delete them"))[0]:
+            "that run; for a new one give another --out_dir, or delete them")))[0]:
         sys.exit(refusal)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

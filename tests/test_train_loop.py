@@ -38,6 +38,35 @@ def _records(out_dir):
     return [json.loads(line) for line in (pathlib.Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_second_run_in_an_out_dir_that_a_run_holds_is_refused(tmp_path):
+    """One run at a time writes an out_dir: held (here by this process, as a running
+    train_moe.py holds its own), a new run and a --resume stop at once with a message, writing
+    nothing and removing nothing (a resume's cleanup removed a partial checkpoint the other
+    run was writing). Released (its process ended), the same command runs."""
+    from fmoe.train.run import OutDirInUse, OutDirLock
+
+    out = tmp_path / "run"
+    lock = OutDirLock(out)
+    with pytest.raises(OutDirInUse, match=f"--out_dir: {out} is in use"):
+        OutDirLock(out)  # a second holder, even in this process
+    (out / "step_000002.tmp").mkdir()  # the holder's checkpoint being written
+    for extra in ([], ["--resume"]):
+        run = _train(out, "--steps=2", *extra)
+        assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+            f"--out_dir: {out} is in use: another run is writing it (it holds the directory until it ends); wait for it to end, "
+            "or give another --out_dir"), run.stderr[-2000:]
+        assert sorted(p.name for p in out.iterdir()) == ["step_000002.tmp"]
+    holder = subprocess.run([sys.executable, "-c", f"from fmoe.train.run import OutDirLock; lock = OutDirLock({str(tmp_path / 'other')!r})"],
+                            capture_output=True, text=True, timeout=120)
+    assert holder.returncode == 0, holder.stderr
+    OutDirLock(tmp_path / "other")  # its process ended (without a release): free again
+    lock.release()
+    OutDirLock(out).release()
+    assert out.is_dir()  # it was there before the lock: kept
+    OutDirLock(tmp_path / "made").release()
+    assert not (tmp_path / "made").exists()  # made by the lock, still empty: removed (a refused run leaves no out_dir)
+
+
 def test_thirty_steps_lower_the_loss(tmp_path):
     run = _train(tmp_path, "--steps=30")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -3,6 +3,7 @@
     set_deterministic(True)              the same losses, bit for bit, on the same machine
     run_info() -> dict                   torch / triton / fmoe versions, git commit, host
     write_config(out_dir, config, **extra) -> Path   <out_dir>/config.json
+    OutDirLock(out_dir)                  one run at a time writes an out_dir (OutDirInUse when another holds it)
     with StopRequests(signals, minutes) as stop: ... stop.reason()   a signal or a time limit
     run_script(main, argv)               a script's main(argv): under torchrun, a refusal said once
     every_rank(refusal, facts) -> (refusal, [facts of each rank])   what each rank found reading its own files
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import fcntl
 import json
 import math
 import os
@@ -118,6 +120,48 @@ def _strict(value):
     if isinstance(value, (list, tuple)):
         return [_strict(v) for v in value]
     return value
+
+
+class OutDirInUse(ValueError):
+    """Another run holds the out_dir (OutDirLock)."""
+
+
+class OutDirLock:
+    """Holds out_dir (made if missing) for a run while this object lives, or until release():
+    an exclusive flock on the directory itself (no file added to it; the kernel drops the lock
+    when the process ends, a SIGKILL included). OutDirInUse (a ValueError, the refusal to
+    say) when another holder has it: another run, or another lock of this process. Two runs in
+    one out_dir (a second started, or a --resume while the run goes on) wrote their
+    checkpoints and metrics over each other's, and a resume's cleanup removed the other's
+    checkpoint as it was written. The lock is seen by every process of one machine; a network
+    file system passes it on only where it supports flock. A directory the lock made is
+    removed again at release where it is still empty (a run refused before writing anything
+    leaves no out_dir behind)."""
+
+    def __init__(self, out_dir):
+        path = Path(check_path("out_dir", out_dir))
+        self._path, self._made = path, not path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        self._fd: Optional[int] = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise OutDirInUse(f"--out_dir: {out_dir} is in use: another run is writing it (it holds the directory until it ends); "
+                              "wait for it to end, or give another --out_dir") from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the lock goes with the descriptor
+            self._fd = None
+            if self._made:
+                try:
+                    self._path.rmdir()  # only where nothing was written into it
+                except OSError:
+                    pass
+
+    def __del__(self):
+        self.release()
 
 
 def write_config(out_dir, config: dict, **extra) -> Path:
