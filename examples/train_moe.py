@@ -671,6 +671,8 @@ def main(argv: list[str]) -> None:
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:
             changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
+        except checkpoint.UnknownKnobs as err:  # a run of a newer fmoe: continuing it here would drop its knobs from config.json
+            sys.exit(f"--resume: {err}")
         except ValueError:  # a checkpoint without its run's config.json: nothing to compare with
             changed = {}
         if changed:

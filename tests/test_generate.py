@@ -7,6 +7,7 @@ import dataclasses
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import generate  # noqa: E402
 
+import fmoe  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
@@ -179,6 +181,31 @@ def run_dir(tmp_path_factory):
     write_config(out, {"model": dataclasses.asdict(cfg), "data": ""}, vocab_size=258)
     checkpoint.save(out, 1, model=model, optimizers=[])
     return out, model
+
+
+def test_a_run_of_a_newer_fmoe_names_the_knobs_this_one_does_not_have(run_dir, tmp_path):
+    """config.json with a model knob this fmoe has not (a run of a newer version): reading
+    the run (generate, evaluate, export: run_config) and resuming it say which knobs and the
+    version that wrote it (a TypeError from the config's constructor before; --resume went
+    on and rewrote config.json without the knob)."""
+    from fmoe.train import checkpoint
+
+    out = shutil.copytree(run_dir[0], tmp_path / "run")
+    config = json.loads((out / "config.json").read_text())
+    config["config"]["model"]["a_newer_knob"] = 2
+    config["run"]["fmoe"] = "9.9.0"
+    (out / "config.json").write_text(json.dumps(config))
+    said = (rf"path: '{out / 'config.json'}' names model knobs that this fmoe \({fmoe.__version__}\) does not have: a_newer_knob "
+            r"\(the run was written by fmoe 9\.9\.0\); read it with that version")
+    with pytest.raises(checkpoint.UnknownKnobs, match=said):
+        checkpoint.run_config(out / "step_000001")
+    cli = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(out), "--prompt=def ", "--tokens=2"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 1 and re.search(said, cli.stderr), cli.stderr[-2000:]
+    resume = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out}", "--resume", "--steps=2"],
+                            capture_output=True, text=True, timeout=300)
+    assert resume.returncode == 1 and re.search("--resume: " + said, resume.stderr), resume.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text()) == config  # as it was
 
 
 def test_a_run_directory_generates_and_samples_reproducibly(run_dir):

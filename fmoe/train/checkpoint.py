@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+import fmoe
 from fmoe.model import Transformer, TransformerConfig
 from fmoe.train.run import NON_FINITE, raise_together
 
@@ -510,9 +511,16 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     return path
 
 
+class UnknownKnobs(ValueError):
+    """A run's config.json names model knobs that this fmoe does not have (a run of a newer
+    version): its model cannot be built here."""
+
+
 def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
     """(model config with the ops' impl `impl`, run config) of an fmoe run directory or of
-    one of its checkpoints: the model knobs and vocab_size its config.json recorded."""
+    one of its checkpoints: the model knobs and vocab_size its config.json recorded.
+    UnknownKnobs (a ValueError) names the knobs this fmoe does not have, and the version
+    that wrote the run."""
     path = Path(path)
     run_dir = path if (path / "config.json").is_file() else path.parent
     if not (run_dir / "config.json").is_file():
@@ -525,6 +533,11 @@ def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
         raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not an fmoe run's config (no config.model and vocab_size"
                          f"{'; a Hugging Face folder: fmoe.hf.from_pretrained reads it' if isinstance(run, dict) and 'model_type' in run else ''})")
     knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
+    unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(TransformerConfig)})
+    if unknown:
+        wrote = run.get("run", {}).get("fmoe") if isinstance(run.get("run"), dict) else None
+        raise UnknownKnobs(f"path: {str(run_dir / 'config.json')!r} names model knobs that this fmoe ({fmoe.__version__}) does not have: "
+                           f"{', '.join(unknown)} (the run was written by fmoe {wrote or 'of an unknown version'}); read it with that version")
     floats = {f.name for f in dataclasses.fields(TransformerConfig) if "float" in str(f.type)}
     knobs = {k: NON_FINITE[v] if k in floats and isinstance(v, str) and v in NON_FINITE else v
              for k, v in knobs.items()}  # write_config's strings for a float knob's inf or nan
@@ -535,7 +548,7 @@ def model_differences(path, cfg: TransformerConfig) -> dict[str, tuple]:
     """{knob: (the saving run's value, cfg's)} for each TransformerConfig field in which the
     model of the fmoe run at `path` (a run directory or a checkpoint inside one: its
     config.json) differs from cfg; {} when they agree. A ValueError when path holds no run
-    config that fmoe reads."""
+    config that fmoe reads (UnknownKnobs: one of a newer fmoe)."""
     try:
         saved, _ = run_config(path, impl=cfg.impl)
     except (TypeError, KeyError, OSError, json.JSONDecodeError) as err:  # knobs of another version, a config.json of another kind
