@@ -709,6 +709,13 @@ def main(argv: list[str]) -> None:
             sys.exit(f"--init_from: {err}")
         if rank == 0:
             print(f"initialised from the weights of {path}")
+            try:  # knobs that leave the shapes as they were load, and make another model of the weights: said, not refused
+                changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
+            except ValueError:  # no run config beside the checkpoint: nothing to compare with
+                changed = {}
+            if changed:
+                print(f"note: --init_from: its weights were trained with {checkpoint.knob_list(changed)}: they fit this model's "
+                      "shapes, and this model computes another function of them", flush=True)
     elif cfg.upcycle_from:  # a dense run's weights, its FFNs cut into the experts: the dense model's function at step 0
         refusal, found, dense_state = None, None, None
         try:

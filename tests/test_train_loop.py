@@ -149,6 +149,11 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert "--init_from: path: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
     assert "the saving run's model has zero_experts=0 (here 2)" in run.stderr, run.stderr[-3000:]
+    # knobs that keep the shapes load, and are named: the weights make another function (nothing said before)
+    run = _train(tmp_path / "other_k", "--steps=1", "--warmup=0", f"--init_from={parts}", "--model.k=3", "--model.route_scale=2.0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("note: --init_from: its weights were trained with k=2 (here 3), route_scale=None (here 2.0): "
+            "they fit this model's shapes, and this model computes another function of them") in run.stdout, run.stdout[-3000:]
     # a damaged newest checkpoint: refused, saying how to resume from an earlier one
     data = next((parts / "step_000010").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
