@@ -50,6 +50,7 @@ call prune and latest(delete_partial=True) on rank 0 only, with no async save in
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -258,7 +259,8 @@ def save(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    torch.save(extra or {}, tmp / f"extra_rank{_rank()}.pt")
+    with _disk_full_named(tmp):
+        torch.save(extra or {}, tmp / f"extra_rank{_rank()}.pt")
 
     # optimizers that have not stepped: get_state_dict makes their state by a step at lr 0 (step count 1), which would
     # shift every later step's bias correction here and in a run resumed from this; it is not saved (load leaves a
@@ -272,7 +274,7 @@ def save(
         state["optim"] = {k: v for k, v in state["optim"].items() if not k.startswith("state.") or _owner(k, names) not in unstepped}
     no_dist = not dist.is_initialized()
     if not async_:
-        with _single_process_quiet():
+        with _single_process_quiet(), _disk_full_named(tmp):
             dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
         _empty(fresh)
         if _rank() == 0:
@@ -285,6 +287,33 @@ def save(
     _empty(fresh)
     future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or Future
     return SaveHandle(tmp, final, future)
+
+
+FULL_DISK_BYTES = 1 << 20  # free space under which a failed write is named a full disk
+
+
+@contextmanager
+def _disk_full_named(tmp: Path):
+    """A write into the checkpoint `tmp` that fails where its file system has under
+    FULL_DISK_BYTES free, or less than a checkpoint takes (the newest complete one's size
+    beside it, less what was written): an OSError(ENOSPC) saying so (torch's writers said "[enforce fail at
+    inline_container.cc] unexpected pos" or a CheckpointException), the error it replaces
+    chained. Other failures pass as they are."""
+    try:
+        yield
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        try:
+            free = shutil.disk_usage(tmp).free
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            newest = latest(tmp.parent)
+            needed = max(FULL_DISK_BYTES, sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0)
+        except OSError:
+            raise err from None
+        if free >= FULL_DISK_BYTES and free + written >= needed:
+            raise
+        raise OSError(errno.ENOSPC, f"no space left to save {tmp.name.removesuffix('.tmp')} in {tmp.parent}: {free:,} bytes free after "
+                      f"{written:,} bytes of it were written ({type(err).__name__}); the earlier checkpoints are kept, and a save needs room "
+                      "for one more beside them (the run's --keep_last), so free space or keep fewer") from err
 
 
 def _empty(optimizers: Sequence[torch.optim.Optimizer]) -> None:

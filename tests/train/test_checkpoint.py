@@ -154,6 +154,39 @@ def test_interrupted_save_leaves_previous_usable(tmp_path, monkeypatch):
     assert ckpt.latest(tmp_path) == tmp_path / "step_000020"
 
 
+def test_a_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    """A write that fails with under a MiB free on out_dir's file system: an OSError(ENOSPC)
+    naming the step, the space left and what a save needs (torch's own writer said
+    "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"); the earlier
+    checkpoint stays the newest. With room on the disk the error passes as it is."""
+    import collections
+    import errno
+
+    model, opts = _build()
+    _train(model, opts, 1)
+    ckpt.save(tmp_path, 10, model=model, optimizers=opts)
+
+    def cut(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.dcp, "save", cut)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+    with pytest.raises(OSError, match=rf"no space left to save step_000020 in {tmp_path}: 4,096 bytes free after [\d,]+ bytes of it were "
+                                      r"written \(RuntimeError\); the earlier checkpoints are kept, .*--keep_last") as raised:
+        ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+    assert raised.value.errno == errno.ENOSPC and "unexpected pos" in str(raised.value.__cause__)
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000010"
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 0, 10**9))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+    # DCP's own CheckpointException (a BaseException) from a full disk: named too
+    monkeypatch.setattr(ckpt.dcp, "save", lambda *a, **k: (_ for _ in ()).throw(ckpt.CheckpointException("write failed", {})))
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 0))
+    with pytest.raises(OSError, match=r"no space left to save step_000020 .* \(CheckpointException\)"):
+        ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+
+
 def test_prune_keeps_newest_and_every(tmp_path):
     for step in range(0, 1100, 100):
         (tmp_path / f"step_{step:06d}").mkdir()
