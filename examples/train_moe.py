@@ -387,6 +387,12 @@ HF_DSA_KNOBS = ("index_topk", "index_heads", "index_head_dim", "index_rope_inter
                 "index_shared_layers")
 
 
+def _model_changes(path, model_cfg) -> dict:
+    """checkpoint.model_differences of the run at path and model_cfg, the knobs of how a model
+    runs (RUN_KNOBS) aside: those that make another model of its weights."""
+    return {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
     hf_type = None
@@ -670,7 +676,7 @@ def main(argv: list[str]) -> None:
     if path:
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:
-            changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
+            changed = _model_changes(path, model_cfg)
         except checkpoint.UnknownKnobs as err:  # a run of a newer fmoe: continuing it here would drop its knobs from config.json
             sys.exit(f"--resume: {err}")
         except ValueError:  # a checkpoint without its run's config.json: nothing to compare with
@@ -710,7 +716,7 @@ def main(argv: list[str]) -> None:
         if rank == 0:
             print(f"initialised from the weights of {path}")
             try:  # knobs that leave the shapes as they were load, and make another model of the weights: said, not refused
-                changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
+                changed = _model_changes(path, model_cfg)
             except ValueError:  # no run config beside the checkpoint: nothing to compare with
                 changed = {}
             if changed:

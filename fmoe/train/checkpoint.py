@@ -292,6 +292,11 @@ def save(
 FULL_DISK_BYTES = 1 << 20  # free space under which a failed write is named a full disk
 
 
+def _bytes_in(directory: Path) -> int:
+    """The bytes of the files under `directory`."""
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 @contextmanager
 def _disk_full_named(tmp: Path):
     """A write into the checkpoint `tmp` that fails where its file system has under
@@ -304,9 +309,8 @@ def _disk_full_named(tmp: Path):
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         try:
             free = shutil.disk_usage(tmp).free
-            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-            newest = latest(tmp.parent)
-            needed = max(FULL_DISK_BYTES, sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0)
+            written, newest = _bytes_in(tmp), latest(tmp.parent)
+            needed = max(FULL_DISK_BYTES, _bytes_in(newest) if newest else 0)
         except OSError:
             raise err from None
         if free >= FULL_DISK_BYTES and free + written >= needed:
