@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, start_ranks, text_codec  # noqa: E402
+from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, say_read, start_ranks, text_codec  # noqa: E402
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
@@ -367,6 +367,7 @@ def main(argv: list[str]) -> None:
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "rank ", "--", "path:")) else f"path: {err}")
+    say_read(run, rank)
     loop = run.get("config", {})
     tokens = args.tokens_per_micro_batch if args.tokens_per_micro_batch is not None else loop.get("tokens_per_micro_batch", 2048)
     if args.choices is not None:
@@ -383,6 +384,7 @@ def main(argv: list[str]) -> None:
         with _working_directory(start if start and Path(start).is_dir() else None):
             corpus = load_blend(spec or None, separator=separator if separator >= 0 else None,
                                 vocab_size=model.cfg.vocab_size if spec else None, dtype=data_dtype)
+            read_from = [str(Path(p).resolve()) for p in corpus.paths if p]  # said below: which files, wherever this runs
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")
@@ -407,6 +409,10 @@ def main(argv: list[str]) -> None:
         + "); each rank reads the files itself: every node must hold the same ones"))
     if refusal:
         sys.exit(refusal)
+    if rank == 0:
+        files = ", ".join(read_from) if read_from else "the embedded corpus (this Python's standard library sources)"
+        whose = " (the run's --data)" if same_data and spec else ""
+        print(f"data: {files}{whose}", file=sys.stderr)
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
         result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if not result["tokens"]:  # no loss to report: 0 would read as a perfect model

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import (_byte_run, _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, run_eos,  # noqa: E402
-                      start_ranks)
+                      say_read, start_ranks)
 
 import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
@@ -203,6 +203,7 @@ def main(argv: list[str]) -> None:
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=torch.float32, impl="torch")
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "path:")) else f"path: {err}")
+    say_read(run, rank)
     error, hf, notes, source = None, None, [], None
     try:  # each rank reads the HF folder (--hf_config, or the run's --init_from_hf) itself
         hf, notes, source = export_config(model.cfg, run, model_type=args.model_type, hf_folder=args.hf_config, dtype=args.dtype)

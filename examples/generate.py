@@ -84,13 +84,22 @@ def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.fl
     return model.to(device=device, dtype=dtype), run
 
 
+def say_read(run: dict, rank: int = 0) -> None:
+    """On rank 0, tell stderr which checkpoint a run's model was read from (load_run's
+    run["checkpoint"]): a run's out_dir names no step, and its newest changes as it trains.
+    An HF folder's model (run {}) says nothing."""
+    if rank == 0 and run.get("checkpoint"):
+        print(f"weights: {run['checkpoint']}", file=sys.stderr)
+
+
 def _said(err: BaseException) -> str:
     """A loading error as the script says it: its own words where they name the knob or path."""
     return str(err) if str(err).startswith(("parallel knobs", "rank ", "--chat", "--prompt_ids", "chat_template", "path:")) else f"path: {err}"
 
 
 def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
-    """(model, run config, meshes): load_model's model and run config for a model larger than
+    """(model, run config, meshes): load_model's model and run config (with "checkpoint", as
+    load_run's) for a model larger than
     one device (after start_ranks). The meshes are fmoe.parallel.build_meshes(**sizes) (tp,
     ep, etp, and cp for evaluation; the rest of the world FSDP2's); the model is built on
     the meta device, parallelized over them (FSDP2 computing in `dtype`, the router in
@@ -123,7 +132,7 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
         raise ValueError(f"{_knobs(sizes)}: {err}") from None
     parallel.materialize(model, device, seed=0)  # what the weights do not hold (an HF folder's expert biases) starts as from_pretrained's
     if run:
-        checkpoint.load_model(path, model=model)  # the ranks agree on what they read there
+        run = {**run, "checkpoint": str(checkpoint.load_model(path, model=model))}  # the ranks agree on what they read there
     else:
         error = None
         try:
@@ -478,6 +487,7 @@ def main(argv: list[str]) -> None:
             model, run, _ = load_sharded(args.path, sizes, device=device, dtype=dtype, impl="torch")
     except (OSError, ValueError, KeyError) as err:
         sys.exit(_said(err))
+    say_read(run, 0 if group is None else dist.get_rank())
     refusal, prompt, stops, chat = None, [], [], None
     try:
         encode, decode, eos = text_codec(args.path, model, run)

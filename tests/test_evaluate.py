@@ -43,6 +43,8 @@ def test_a_run_s_defaults_reproduce_its_logged_validation_loss(run_dir):
     for path in (out, out / "step_000003"):
         cli = _cli(path, "--json")
         assert cli.returncode == 0, cli.stderr[-2000:]
+        # stderr says which checkpoint (a run's out_dir names none) and which data were read
+        assert {f"weights: {out / 'step_000003'}", "data: the embedded corpus (this Python's standard library sources)"} <= set(cli.stderr.splitlines())
         result = json.loads(cli.stdout)
         assert result["loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-5)
         assert {n: r["loss"] for n, r in result["by_source"].items()} == pytest.approx(records[-1]["val_loss_by_source"], rel=1e-5)
@@ -62,6 +64,7 @@ def test_torchrun_on_any_mesh_gives_the_one_process_numbers(run_dir):
     for knobs in ([], ["--tp=2", "--ep=2"], ["--cp=2", "--keep_gathered"]):
         cli = _cli(out, "--json", *knobs, ranks=2)
         assert cli.returncode == 0, (knobs, cli.stderr[-3000:])
+        assert cli.stderr.count("weights: ") == cli.stderr.count("data: ") == 1, (knobs, cli.stderr)  # rank 0 says it
         lines = [line for line in cli.stdout.splitlines() if line.startswith("{")]
         assert len(lines) == 1, (knobs, cli.stdout)  # rank 0 prints
         got = json.loads(lines[0])
@@ -92,6 +95,7 @@ def test_a_run_on_relative_data_evaluates_from_anywhere(tmp_path, docs):
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
     cli = _cli(tmp_path / "run", "--json")  # from this process's directory
     assert cli.returncode == 0, cli.stderr[-2000:]
+    assert f"data: {tmp_path / 'texts'} (the run's --data)" in cli.stderr.splitlines(), cli.stderr  # the files read, named whole
     assert json.loads(cli.stdout)["loss"] == pytest.approx(logged, rel=1e-5)
 
 

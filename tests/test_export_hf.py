@@ -122,6 +122,7 @@ def test_a_run_of_fmoe_s_own_exports_in_shards_with_its_mtp_layer(own_run, tmp_p
     model, run_config = load_run(own_run)
     cli = _export(own_run, tmp_path / "out", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}")
     assert cli.returncode == 0, cli.stderr[-3000:]
+    assert run_config["checkpoint"].startswith(str(own_run / "step_")) and f"weights: {run_config['checkpoint']}" in cli.stderr.splitlines()
     out = tmp_path / "out"
     assert cli.stdout.startswith(f"{out}: glm4_moe, ") and "left out" not in cli.stdout and "copied" not in cli.stdout
     config = json.loads((out / "config.json").read_text())
@@ -185,6 +186,7 @@ def test_two_ranks_write_the_one_process_files(own_run, tmp_path):
     for knobs in (["--ep=2"], ["--tp=2"]):
         two = _export(own_run, tmp_path / "two", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}", *knobs, ranks=2)
         assert two.returncode == 0, (knobs, two.stderr[-3000:])
+        assert two.stderr.count("weights: ") == 1, (knobs, two.stderr)  # rank 0 says which checkpoint
         assert two.stdout == one.stdout.replace(str(tmp_path / "one"), str(tmp_path / "two"))  # rank 0 prints, once
         assert sorted(f.name for f in (tmp_path / "two").iterdir()) == names
         for name in names:

@@ -210,7 +210,8 @@ def test_a_run_of_a_newer_fmoe_names_the_knobs_this_one_does_not_have(run_dir, t
 
 def test_a_run_directory_generates_and_samples_reproducibly(run_dir):
     out, model = run_dir
-    loaded, _ = generate.load_run(out)
+    loaded, run = generate.load_run(out)
+    assert run["checkpoint"] == str(out / "step_000001")  # which one the out_dir's newest was
     prompt = list(b"def ")
     greedy = generate.generate(loaded, prompt, tokens=6)
     assert greedy == generate.generate(model, prompt, tokens=6)
@@ -226,7 +227,7 @@ def test_a_run_directory_generates_and_samples_reproducibly(run_dir):
     cli = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(out / "step_000001"), "--prompt=def ", "--tokens=5"],
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr[-2000:]
-    assert cli.stdout.startswith("def ")
+    assert cli.stdout.startswith("def ") and cli.stderr.splitlines() == [f"weights: {out / 'step_000001'}"]
 
 
 def test_a_batch_of_prompts_decodes_as_each_prompt_alone(run_dir):
@@ -294,6 +295,7 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
                              capture_output=True, text=True, timeout=600)
         assert cli.returncode == 0, (knobs, cli.stderr[-3000:])
         assert cli.stdout == one.stdout, knobs  # rank 0 prints, the same tokens
+        assert cli.stderr.count(f"weights: {out / 'step_000001'}") == 1, (knobs, cli.stderr)  # and says which checkpoint, once
     bad = subprocess.run([sys.executable, *args, "--tp=2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "parallel knobs (--tp, --ep, --etp) for 1 process(es), the rest FSDP2" in bad.stderr, bad.stderr[-2000:]
 

@@ -9,6 +9,7 @@
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
     model_differences(path, cfg) -> {knob: (saved, cfg's)}   where a run's model differs from cfg
     ModelTensors(path): Mapping[name, Tensor]    its full weights, each read only when asked for
+    reading(path) -> context manager of Path     a checkpoint held against prune() while it is read
     prune(out_dir, *, keep_last, keep_every=None) -> removed paths
     rng_state() -> dict, set_rng_state(state)   torch CPU/CUDA, python, numpy generators
 
@@ -45,19 +46,27 @@ Process groups: none is needed on one process; DCP runs with no_dist=True when
 torch.distributed is not initialised. Under torchrun every rank calls save / load /
 SaveHandle.wait with the same arguments (DCP's collectives); rank 0 renames the directory;
 call prune and latest(delete_partial=True) on rank 0 only, with no async save in flight.
+
+Reading a run that trains: load, load_model, load_run and ModelTensors' reads hold the
+checkpoint they read (reading(): a shared flock on its directory), and prune() leaves a
+held checkpoint for a later call, so a reader never loses its files to the run's retention
+midway (evaluating or exporting a run as it goes; it read half a checkpoint and failed, or
+found none, before). Only readers that share the run's machine or a file system that
+passes flocks on are seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence
 
@@ -358,6 +367,64 @@ def _checkpoint_or_newest(path) -> Path:
     return _checkpoint_dir(path)
 
 
+def _hold(directory: Path, operation: int) -> Optional[int]:
+    """A descriptor of `directory` holding flock `operation` on it, or None where the
+    directory is gone (removed before or while the lock was taken: the descriptor would hold
+    an unlinked directory). A file system without flocks holds nothing (a descriptor all the
+    same). BlockingIOError for LOCK_NB where another holds it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError as err:  # ENOLCK, EOPNOTSUPP: a file system without flocks
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            raise
+    try:
+        same = os.stat(directory).st_ino == os.fstat(fd).st_ino and (directory / ".metadata").is_file()
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def reading(path) -> Iterator[Path]:
+    """Hold a complete checkpoint while it is read: `path` (a checkpoint directory, or a
+    run's out_dir: its newest complete checkpoint) as the directory held, which prune()
+    leaves in place until the block ends (a shared flock on the directory; prune skips a
+    held checkpoint, and removes it at a call after the block). Where the run pruned the
+    newest checkpoint between the listing and the lock, the newer one that replaced it is
+    taken. A checkpoint directory named itself and pruned away is a FileNotFoundError
+    naming it. load, load_model, load_run and ModelTensors' reads hold theirs already: this
+    is for reads of one's own (dcp.load, torch.load of a file in it).
+
+        with checkpoint.reading("out/train_moe") as step_dir:
+            dcp.load(state, checkpoint_id=step_dir)
+    """
+    fd = None
+    for _ in range(100):  # each retry follows a checkpoint pruned away: a run saves far more slowly than this loops
+        found = _checkpoint_or_newest(path)
+        fd = _hold(found, fcntl.LOCK_SH)
+        if fd is not None:
+            break
+        if found == Path(path):
+            raise FileNotFoundError(f"path: {str(path)!r} was removed as it was about to be read (pruned by its run?)")
+    if fd is None:
+        raise FileNotFoundError(f"path: {str(path)!r}: its newest checkpoint was removed each time it was about to be read")
+    try:
+        yield found
+    finally:
+        os.close(fd)
+
+
 def _stored(path: Path) -> Mapping:
     """The checkpoint's entries by key (DCP's metadata: each tensor's size, without its data);
     a .metadata that cannot be read (cut short, damaged) is a ValueError naming path."""
@@ -475,9 +542,10 @@ def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) ->
                          "the saving run's (another kind, or other settings); load with the kind it saved, or load_model for the weights alone")
 
 
-def _read_agreed(path, *, extra: bool) -> tuple[Path, Mapping, Optional[dict]]:
+def _read_agreed(path, *, extra: bool, holds: ExitStack) -> tuple[Path, Mapping, Optional[dict]]:
     """(checkpoint directory, its metadata (_stored), this rank's extra dict or None) of
-    `path` (a checkpoint, or a run's out_dir: its newest), read by each rank itself and then
+    `path` (a checkpoint, or a run's out_dir: its newest), held (reading()) until `holds`
+    closes, read by each rank itself and then
     agreed by every rank of the default group (fmoe.train.run.raise_together) before any
     collective: a file one rank cannot read, another newest checkpoint found by one rank (a
     save landing between two ranks' listings, a node's stale copy), or extras of different
@@ -485,7 +553,7 @@ def _read_agreed(path, *, extra: bool) -> tuple[Path, Mapping, Optional[dict]]:
     in the load's collectives, and ranks that found different checkpoints each read their own."""
     found, stored, error, extra_dict = None, None, None, None
     try:
-        found = _checkpoint_or_newest(path)  # a run's out_dir was "not a complete checkpoint", though load_model took it
+        found = holds.enter_context(reading(path))  # a run's out_dir was "not a complete checkpoint", though load_model took it
         stored = _stored(found)
         if extra:
             extra_file = found / f"extra_rank{_rank()}.pt"
@@ -528,17 +596,18 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     holds and the saved model does not, before any is read. Under several processes, every
     rank calls it, and the ranks agree on what they read as load's do.
     """
-    path, stored, _ = _read_agreed(path, extra=False)
-    models = _models(model)
-    parts = [get_model_state_dict(m) for m in models]
-    state = {"model": {k: v for part in parts for k, v in part.items()}}
-    error = None
-    try:  # each rank checks its own parameters (a pipeline stage's): agreed before the load's collectives
-        _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
-    except ValueError as err:
-        error = err
-    raise_together(error)
-    _dcp_load(state, path)
+    with ExitStack() as holds:
+        path, stored, _ = _read_agreed(path, extra=False, holds=holds)
+        models = _models(model)
+        parts = [get_model_state_dict(m) for m in models]
+        state = {"model": {k: v for part in parts for k, v in part.items()}}
+        error = None
+        try:  # each rank checks its own parameters (a pipeline stage's): agreed before the load's collectives
+            _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
+        except ValueError as err:
+            error = err
+        raise_together(error)
+        _dcp_load(state, path)
     for m, part in zip(models, parts):
         set_model_state_dict(m, {k: state["model"][k] for k in part})
     return path
@@ -612,7 +681,8 @@ class ModelTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         meta = self._meta[name]
         state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
-        _dcp_load(state, self.path, no_dist=True)
+        with reading(self.path):  # pruned away since: a FileNotFoundError naming it
+            _dcp_load(state, self.path, no_dist=True)
         return state["model"][name]
 
     def __contains__(self, name) -> bool:  # Mapping's would read the tensor
@@ -628,11 +698,12 @@ class ModelTensors(Mapping):
 def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     """The whole model of an fmoe run directory (its newest checkpoint) or of one of its
     checkpoints, on this process's CPU in float32, with its ops' impl `impl`, and the run's
-    config. Under torchrun every rank calls it (DCP's collectives) and gets the whole model."""
+    config (config.json's dict) with "checkpoint": the directory read, e.g.
+    "out/train_moe/step_000250". Under torchrun every rank calls it (DCP's collectives) and
+    gets the whole model."""
     cfg, run = run_config(path, impl=impl)
     model = Transformer(cfg)
-    load_model(path, model=model)
-    return model, run
+    return model, {**run, "checkpoint": str(load_model(path, model=model))}
 
 
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
@@ -654,7 +725,14 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     chunks: the whole model of their config), or optimizers whose state entries the
     checkpoint lacks (another kind or set-up; a parameter with some of its entries saved): a
     ValueError naming them, before anything is read."""
-    path, stored, extra = _read_agreed(path, extra=True)
+    with ExitStack() as holds:
+        path, stored, extra = _read_agreed(path, extra=True, holds=holds)
+        _load_held(path, stored, extra, model=model, optimizers=optimizers)
+    return extra
+
+
+def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, optimizers) -> None:
+    """load's reading of the checkpoint at `path` (held by the caller)."""
     optimizers = _optimizers(optimizers)
     models = _models(model)
     pairs = _pairs(models, optimizers)
@@ -682,12 +760,13 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
             opt.state.pop(p, None)
     if (path / _FRESH).is_file():  # an older checkpoint, with the lr-0 step's state: by place in the list, as it saved them
         _empty([optimizers[i] for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
-    return extra
 
 
 def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[Path]:
     """Delete complete checkpoints except the newest keep_last and those whose step is a
-    multiple of keep_every. Returns the removed paths. `.tmp` directories are left alone."""
+    multiple of keep_every. Returns the removed paths. `.tmp` directories are left alone, and
+    so is a checkpoint a reader holds (reading(): a load, an evaluation of the run as it
+    trains), removed by a later call once it is free."""
     out_dir = _out_dir(out_dir)
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last: expected an int >= 1, got {keep_last!r}")
@@ -697,7 +776,16 @@ def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[
     removed = []
     for step, p in found[:-keep_last]:
         if keep_every is None or step % keep_every != 0:
-            shutil.rmtree(p)
+            try:
+                fd = _hold(p, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # being read: left for a later prune
+                continue
+            if fd is None:  # removed meanwhile
+                continue
+            try:
+                shutil.rmtree(p)
+            finally:
+                os.close(fd)
             removed.append(p)
     return removed
 

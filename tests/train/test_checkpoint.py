@@ -1,6 +1,7 @@
 """fmoe.train.checkpoint: exact round trips, interrupted saves, retention, async saves and
 their handles, errors."""
 
+import dataclasses
 import random
 import time
 import warnings
@@ -649,3 +650,87 @@ def test_load_takes_a_run_s_newest_checkpoint_as_load_model_does(tmp_path):
     (tmp_path / "cut" / "step_000003.tmp").mkdir()
     with pytest.raises(FileNotFoundError, match=r"path: '.*cut' holds no complete checkpoint"):
         ckpt.load(tmp_path / "cut", model=fresh, optimizers=fresh_opts)
+
+
+def _saved_steps(tmp_path, steps):
+    model, opts = _build()
+    for step in steps:
+        ckpt.save(tmp_path, step, model=model, optimizers=opts)
+    return model, opts
+
+
+def test_prune_leaves_a_checkpoint_that_is_being_read(tmp_path):
+    """reading() holds a checkpoint: prune() (the run's retention, while an evaluation or an
+    export reads the run) leaves it until the read ends, and removes it at a later call."""
+    model, opts = _saved_steps(tmp_path, (1, 2))
+    with ckpt.reading(tmp_path) as held:
+        assert held == tmp_path / "step_000002"
+        ckpt.save(tmp_path, 3, model=model, optimizers=opts)
+        assert ckpt.prune(tmp_path, keep_last=1) == [tmp_path / "step_000001"]
+        assert (held / ".metadata").is_file()
+        with ckpt.reading(held) as again:  # readers share it
+            assert again == held
+    assert ckpt.prune(tmp_path, keep_last=1) == [held]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003"]
+
+
+def test_a_load_keeps_its_checkpoint_while_the_run_prunes_it(tmp_path, monkeypatch):
+    """The run saves a newer checkpoint and prunes the one a load reads, midway through the
+    read (DCP reads file after file): the load finishes with the checkpoint it started on
+    (it lost its files and failed before), and the next prune removes it. load_run says
+    which checkpoint it read."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.run import write_config
+
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8)
+    writer = Transformer(cfg)
+    write_config(tmp_path, {"model": dataclasses.asdict(cfg)}, vocab_size=32)
+    ckpt.save(tmp_path, 1, model=writer, optimizers=[])
+    read, steps = ckpt._dcp_load, [1]
+
+    def pruned_midway(state, path, **kwargs):  # the run's next save and its retention (keep_last=1)
+        with torch.no_grad():
+            for p in writer.parameters():
+                p.add_(1.0)
+        steps.append(steps[-1] + 1)
+        ckpt.save(tmp_path, steps[-1], model=writer, optimizers=[])
+        ckpt.prune(tmp_path, keep_last=1)
+        return read(state, path, **kwargs)
+
+    want = {k: v.clone() for k, v in writer.state_dict().items()}
+    monkeypatch.setattr(ckpt, "_dcp_load", pruned_midway)
+    model, run = ckpt.load_run(tmp_path)
+    assert run["checkpoint"] == str(tmp_path / "step_000001")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+    assert ckpt.prune(tmp_path, keep_last=1) == [tmp_path / "step_000001"]  # free again
+    want = {k: v.clone() for k, v in writer.state_dict().items()}
+    fresh = Transformer(cfg)
+    ckpt.load(tmp_path, model=fresh, optimizers=[])  # the run's newest, step 2; step 3 saved as it is read
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+    monkeypatch.setattr(ckpt, "_dcp_load", read)
+    assert ckpt.prune(tmp_path, keep_last=1) == [tmp_path / "step_000002"]
+
+
+def test_reading_takes_the_newer_checkpoint_where_the_newest_was_pruned_before_the_lock(tmp_path, monkeypatch):
+    """Between the listing of a run's checkpoints and the lock, the run pruned the newest
+    one for a newer: reading() takes the newer. A checkpoint directory named itself and
+    pruned away is a FileNotFoundError naming it."""
+    model, opts = _saved_steps(tmp_path, (1,))
+    newest = ckpt._checkpoint_or_newest
+
+    def listed_then_pruned(path):
+        found = newest(path)
+        if found.name == "step_000001":
+            ckpt.save(tmp_path, 2, model=model, optimizers=opts)
+            ckpt.prune(tmp_path, keep_last=1)
+        return found
+
+    monkeypatch.setattr(ckpt, "_checkpoint_or_newest", listed_then_pruned)
+    with ckpt.reading(tmp_path) as held:
+        assert held == tmp_path / "step_000002"
+    monkeypatch.setattr(ckpt, "_checkpoint_or_newest", newest)
+    ckpt.save(tmp_path, 3, model=model, optimizers=opts)
+    monkeypatch.setattr(ckpt, "_checkpoint_or_newest", lambda path: (newest(path), ckpt.prune(tmp_path, keep_last=1))[0])
+    with pytest.raises(FileNotFoundError, match=r"step_000002' was removed as it was about to be read \(pruned by its run\?\)"):
+        with ckpt.reading(tmp_path / "step_000002"):
+            pass
