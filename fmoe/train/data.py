@@ -93,6 +93,7 @@ import math
 import numbers
 import os
 import sysconfig
+import warnings
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -122,6 +123,10 @@ _BLEND_KEYS = ("name", "path", "weight", "separator", "dtype", "vocab_size")
 _SCAN_CHUNK = 1 << 24
 # directory names left out of the stdlib corpus unless include_tests
 _TEST_DIRS = {"test", "tests", "idle_test"}
+# files of records, which a text directory does not read as bytes (fmoe.train.prepare reads their fields)
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".parquet")
+# directories a text corpus walk never enters, beside those whose name starts with '.': Python's bytecode caches
+_CACHE_DIRS = {"__pycache__"}
 
 
 # ----------------------------------------------------------------------------------------
@@ -300,16 +305,34 @@ class TokenDataset:
             yield batch
 
 
-def _byte_dataset(root: Path, rel_paths: list[str]) -> TokenDataset:
-    """One document per non-empty file root/rel (paths sorted), read as bytes."""
-    blobs, names = [], []
+def _is_text(blob: bytes) -> bool:
+    """UTF-8 without a NUL byte (which text never holds: UTF-16, an image, bytecode, an archive)."""
+    if b"\0" in blob:
+        return False
+    try:
+        blob.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _byte_dataset(root: Path, rel_paths: list[str], *, text_only: bool = False) -> TokenDataset:
+    """One document per non-empty file root/rel (paths sorted), read as bytes; with
+    text_only, a file that is not UTF-8 text (_is_text) is left out, with a warning naming
+    how many and the first."""
+    blobs, names, binary = [], [], []
     for rel in sorted(rel_paths):
         blob = (root / rel).read_bytes()
-        if blob:
+        if blob and text_only and not _is_text(blob):
+            binary.append(rel)
+        elif blob:
             blobs.append(blob)
             names.append(rel)
+    if binary:
+        warnings.warn(f"path: {len(binary)} file(s) under {str(root)!r} are not UTF-8 text (a NUL byte or invalid UTF-8) and are "
+                      f"left out: {', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''}", stacklevel=3)
     if not blobs:
-        raise ValueError(f"path: no non-empty files under {str(root)!r}")
+        raise ValueError(f"path: no non-empty {'text ' if binary else ''}files under {str(root)!r}")
     lengths = np.array([len(b) for b in blobs], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
@@ -370,18 +393,30 @@ def _existing(path: Union[str, os.PathLike]) -> Path:
 def list_text_files(root: Union[str, os.PathLike]) -> list[str]:
     """The files of a text corpus directory: every regular file below `root` (recursively,
     into symlinked directories too, each directory once; files and directories whose name
-    starts with '.' are skipped), as sorted POSIX paths relative to root."""
+    starts with '.' are skipped, and so are __pycache__ directories), as sorted POSIX paths
+    relative to root."""
     root = Path(root)
-    return sorted(_walk_files(root, lambda name: not name.startswith("."), lambda name: not name.startswith("."), follow=True))
+    return sorted(_walk_files(root, lambda name: not name.startswith("."),
+                              lambda name: not name.startswith(".") and name not in _CACHE_DIRS, follow=True))
 
 
 def load_text_dir(path: Union[str, os.PathLike]) -> TokenDataset:
     """A directory of text files (list_text_files), one document per non-empty file, read
-    as bytes -> byte tokens. Document names are POSIX paths relative to `path`."""
+    as bytes -> byte tokens. Document names are POSIX paths relative to `path`. A file that
+    is not UTF-8 text (a NUL byte or invalid UTF-8: an image, UTF-16, an archive) is left
+    out with a warning; files of records (RECORD_SUFFIXES: JSON Lines, Parquet) are a
+    ValueError naming them, since their bytes are not their documents (`python -m
+    fmoe.train.prepare` makes a token file of their text field)."""
     root = _existing(path)
     if not root.is_dir():
         raise ValueError(f"path: {str(root)!r} is not a directory")
-    return _byte_dataset(root, list_text_files(root))
+    files = list_text_files(root)
+    records = [f for f in files if f.lower().endswith(RECORD_SUFFIXES)]
+    if records:
+        raise ValueError(f"path: {str(root)!r} holds files of records ({', '.join(records[:3])}{', ...' if len(records) > 3 else ''}), "
+                         "which a directory of text files would read as their raw bytes, keys and quotes included: make a token "
+                         "file of their text with `python -m fmoe.train.prepare`, or give a directory of text files alone")
+    return _byte_dataset(root, files, text_only=True)
 
 
 def _split_documents(data: np.ndarray, *, separator: int, vocab_size: int, where: str,
@@ -439,6 +474,10 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
                          f"vocab_size {fields['vocab_size']}")
     if fields["dtype"] not in FILE_DTYPES:  # the error blamed the caller's dtype, which was not given
         raise ValueError(f"path: the index {str(index)!r} holds dtype = {fields['dtype']!r}, expected one of {list(FILE_DTYPES)}")
+    if fields["vocab_size"] - 1 > np.iinfo(FILE_DTYPES[fields["dtype"]]).max:  # its ids wrapped when written
+        raise ValueError(f"path: the index {str(index)!r} holds vocab_size = {fields['vocab_size']} with dtype {fields['dtype']}, which "
+                         f"holds ids up to {np.iinfo(FILE_DTYPES[fields['dtype']]).max}: the larger ids wrapped when written; prepare "
+                         "the data again as uint32")
     if not isinstance(fields.get("loss_mask"), (str, type(None))):  # a file name beside the index, or none
         raise ValueError(f"path: the index {str(index)!r} holds loss_mask = {fields['loss_mask']!r}, expected a file name or null")
     return fields
@@ -499,11 +538,14 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
         separator, vocab_size, dtype = (_from_index(field, given, index, path) for field, given in
                                         (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype)))
     missing = [name for name, value in (("separator", separator), ("vocab_size", vocab_size)) if value is None]
+    text = index is None and path.suffix.lower() not in (*SUFFIX_DTYPES, ".bin") and _looks_like_text(path)
+    how = ("a directory of text files is read as their bytes (load_text_dir), and `python -m fmoe.train.prepare` makes a "
+           "token file of text or records")
     if missing:
-        text = path.suffix.lower() not in (*SUFFIX_DTYPES, ".bin") and _looks_like_text(path)
         raise ValueError(f"{', '.join(missing)}: required for the token file {str(path)!r} (it has no {INDEX_SUFFIX} index)"
-                         + ("; it looks like text, not token ids: a directory of text files is read as their bytes "
-                            "(load_text_dir), and `python -m fmoe.train.prepare` makes a token file of text" if text else ""))
+                         + (f"; it looks like text, not token ids: {how}" if text else ""))
+    if text:  # token ids below 256 hold zero bytes, which text never does: its bytes read as ids would be garbage
+        raise ValueError(f"path: {str(path)!r} looks like text (UTF-8 without a NUL byte), not token ids: {how}")
     implied = SUFFIX_DTYPES.get(path.suffix.lower())
     if dtype in FILE_DTYPES and implied is not None and dtype != implied:
         if given_dtype is None:  # the index's
@@ -518,6 +560,10 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
     if dtype not in FILE_DTYPES:
         raise ValueError(f"dtype: expected one of {list(FILE_DTYPES)}, got {dtype!r}")
     np_dtype = np.dtype(FILE_DTYPES[dtype])
+    if index is None and vocab_size > np.iinfo(np_dtype).max + 1:  # the caller's: maybe a model's padded table, so warned
+        warnings.warn(f"vocab_size: {vocab_size} is beyond what {dtype} holds (ids up to {np.iinfo(np_dtype).max}): where "
+                      f"{str(path)!r} holds ids of a tokenizer that large, they wrapped when written as {dtype} and read as other "
+                      "tokens (write them as uint32)", stacklevel=2)
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"path: {str(path)!r} is empty")

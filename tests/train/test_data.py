@@ -1,8 +1,10 @@
 """fmoe.train.data: corpora, byte tokens, packing, MTP targets, the resumable sampler."""
 
+import gzip
 import os
 import pathlib
 import sysconfig
+import warnings
 
 import numpy as np
 import pytest
@@ -314,13 +316,46 @@ def test_text_dir(tmp_path):
     (tmp_path / "sub" / "link.txt").symlink_to(tmp_path / "b.txt")  # a link to a file is one
     (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # the tree's own directory: read once, as itself
     (tmp_path / "sub" / "up").symlink_to(tmp_path, target_is_directory=True)  # a link back up: no loop
-    ds = load_text_dir(tmp_path)
-    assert ds.names == ["a.txt", "b.txt", "sub/c.md", "sub/link.txt"] and ds.vocab_size == BYTE_VOCAB_SIZE
+    (tmp_path / "sub" / "d.md").write_text("fourth")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) under .* are not UTF-8 text \(a NUL byte or invalid UTF-8\) and are left out: sub/c.md$"):
+        ds = load_text_dir(tmp_path)
+    assert ds.names == ["a.txt", "b.txt", "sub/d.md", "sub/link.txt"] and ds.vocab_size == BYTE_VOCAB_SIZE
     assert decode_text(ds.document(0)) == "first ü"
-    assert ds.document(2).tolist() == [255, 0, *b"third", EOS]
-    assert load_corpus(tmp_path).names == ds.names
+    assert ds.document(2).tolist() == [*b"fourth", EOS]
+    with pytest.warns(UserWarning, match="sub/c.md"):
+        assert load_corpus(tmp_path).names == ds.names
     b = Sampler(ds, 10, seed=0, shuffle=False).next_batch()
     assert b["cu_seqlens"].tolist() == [0, len("first ü".encode()) + 1, 10]
+
+
+def test_a_text_dir_leaves_out_what_is_not_text_and_refuses_records(tmp_path):
+    """A corpus directory read as bytes: bytecode caches are not entered, files that are not
+    UTF-8 text (an image, UTF-16, gzip) are left out with a warning naming them, and files
+    of records (JSON Lines, Parquet) are refused by name with the way to read them (they
+    were all read as documents of raw bytes: a run trained on PNG pages, pickled bytecode
+    and JSON syntax without a word)."""
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0code")
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "img.png").write_bytes(bytes(range(256)))
+    (tmp_path / "utf16.txt").write_text("text", encoding="utf-16")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "x.gz").write_bytes(gzip.compress(b"zipped text"))
+    with pytest.warns(UserWarning, match=r"4 file\(s\) under .* are left out: img.png, latin1.txt, utf16.txt, \.\.\.$"):
+        ds = load_text_dir(tmp_path)
+    assert ds.names == ["m.py"]
+    (tmp_path / "m.py").unlink()
+    with pytest.raises(ValueError, match="path: no non-empty text files under"), pytest.warns(UserWarning):
+        load_text_dir(tmp_path)
+    for name in ("train-0.jsonl", "shard.parquet", "part.jsonl.gz"):
+        records = tmp_path / name.split(".")[0]
+        records.mkdir()
+        (records / "a.txt").write_text("a text")
+        (records / name).write_text('{"text": "a record"}\n')
+        with pytest.raises(ValueError, match=rf"path: '{records}' holds files of records \({name}\), which a directory of text files "
+                                             r"would read as their raw bytes, keys and quotes included: make a token file of their "
+                                             r"text with `python -m fmoe.train.prepare`"):
+            load_corpus(records)
 
 
 def test_a_corpus_of_linked_directories_is_read_through_them(tmp_path):
@@ -571,6 +606,44 @@ def test_token_dataset_checks_its_names_data_and_mask_values():
             TokenDataset(data, starts, lengths, None, vocab_size=10, eos=None, label_mask=mask)
     ok = TokenDataset(data, starts, lengths, ["a", "b"], vocab_size=10, eos=None, label_mask=np.array([1, 0, 1, 1, 1, 0], dtype=bool))
     assert len(ok.split(50)[0]) + len(ok.split(50)[1]) == 2
+
+
+def test_text_given_as_token_ids_is_refused_with_every_knob_given(tmp_path):
+    """--data=corpus.jsonl with --separator, --model.vocab_size and --data_dtype (the README's
+    line for GPT-2 token files) read the text's bytes as uint16 ids and trained on them: the
+    text is refused as it is where a knob is missing. A token file of any name is read."""
+    for name, text in (("corpus.txt", "plain text, " * 50), ("corpus.jsonl", '{"text": "a record"}\n' * 40)):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"^path: '.*{name}' looks like text \(UTF-8 without a NUL byte\), not token ids: a "
+                                             r"directory of text files is read as their bytes"):
+            load_corpus(tmp_path / name, separator=50256, vocab_size=50304, dtype="uint16")
+    np.array([300, 7, 5000, 7], dtype=np.uint16).tofile(tmp_path / "ids.tok")
+    assert len(load_corpus(tmp_path / "ids.tok", separator=7, vocab_size=50304, dtype="uint16")) == 2
+
+
+def test_ids_beyond_the_dtype_are_refused_from_an_index_and_warned_of_from_a_caller(tmp_path):
+    """A uint16 file holds ids up to 65535: ids of a larger tokenizer wrapped when written.
+    An index that says so is refused (prepare refuses to write it); a caller's larger
+    vocab_size (perhaps a model's padded table) is warned of."""
+    import json
+
+    path = tmp_path / "a.u16"
+    np.array([5, 1, 3], dtype=np.uint16).tofile(path)
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(documents=2, tokens=3, dtype="uint16", separator=1, vocab_size=100000)))
+    with pytest.raises(ValueError, match=r"^path: the index '.*a.u16.index.json' holds vocab_size = 100000 with dtype uint16, which holds "
+                                         r"ids up to 65535: the larger ids wrapped when written; prepare the data again as uint32$"):
+        load_token_file(path)
+    (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(documents=2, tokens=3, dtype="uint16", separator=1, vocab_size=65536)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(load_token_file(path, vocab_size=100000)) == 2  # the index's tokenizer fits; the table is padded
+    (tmp_path / "a.u16.index.json").unlink()
+    with pytest.warns(UserWarning, match=r"vocab_size: 100000 is beyond what uint16 holds \(ids up to 65535\): where '.*a.u16' holds ids "
+                                         r"of a tokenizer that large, they wrapped when written as uint16"):
+        assert len(load_token_file(path, separator=1, vocab_size=100000)) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_token_file(path, separator=1, vocab_size=65536)
 
 
 def test_an_index_dtype_is_named_as_the_index_s(tmp_path):
