@@ -45,8 +45,9 @@ the template too), rendered by the model's chat template exactly as transformers
 apply_chat_template renders it (fmoe.train.chat: --chat_template=FILE, else the folder's
 chat_template.jinja, else its tokenizer_config.json's; --chat_template_kwargs='{"enable_thinking":
 false}' gives it more variables) and encoded whole, without the tokenizer's
-post-processing. OUT.loss_mask is 1 on the assistant's turns only (a token counts when its
-first character is in one: the turn's text and end-of-turn tokens, not its role header)
+post-processing. OUT.loss_mask is 1 on the assistant's turns only (a token counts when it
+holds a character of one, as in transformers' assistant masks: the turn's text and end-of-turn
+tokens, and a first word merged with the space that ends the header, not the role header)
 and on a separator that follows one. A conversation whose template renders earlier turns
 differently once later ones follow becomes one document per assistant turn
 (fmoe.train.chat); one without an assistant message is skipped (an assistant message
@@ -411,11 +412,17 @@ def _check_ids(tokenizer, ids: np.ndarray, where: str, *, separator: int, vocab_
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 on the tokens whose first character lies in one of `spans` (sorted, disjoint [start,
-    end) characters), 0 elsewhere: [n_tokens] uint8."""
-    starts = np.asarray([start for start, _ in offsets], dtype=np.int64)
-    bounds = np.asarray(spans, dtype=np.int64).reshape(-1)
-    return (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
+    """1 on the tokens that hold a character of one of `spans` (sorted, disjoint [start, end)
+    characters; a token of no characters: where it stands lies in one), 0 elsewhere:
+    [n_tokens] uint8. A token that begins before a span and ends inside it counts, as in
+    transformers' assistant masks: a reply's first word merged with the space that ends the
+    generation prompt ("ĠYes" after "Response: ") is the reply's."""
+    starts, ends = (np.asarray([o[i] for o in offsets], dtype=np.int64).reshape(-1) for i in (0, 1))
+    bounds = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    last = np.searchsorted(bounds[:, 0], ends, side="left") - 1  # the last span that starts before the token ends
+    overlaps = (last >= 0) & (bounds[np.maximum(last, 0), 1] > starts) if len(bounds) else np.zeros(len(starts), dtype=bool)
+    at = np.searchsorted(bounds.reshape(-1), starts, side="right") % 2 == 1  # an empty token: where it stands
+    return np.where(ends > starts, overlaps, at).astype(np.uint8)
 
 
 def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int, dtype: str,

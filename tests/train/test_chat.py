@@ -472,3 +472,34 @@ def test_a_jinja2_without_the_sandbox_fixes_is_refused():
             check_jinja2(old)
     for new in ("3.1.6", "3.2.0", "4.0.0rc1", "3.1.10"):
         check_jinja2(new)
+
+
+def test_a_reply_token_that_begins_in_the_generation_prompt_is_trained(tmp_path):
+    """A generation prompt that ends in a space ("### Response: "), and a byte-level BPE that
+    merges the space with the reply's first word ("ĠYes", as GPT-2's, Llama 3's and Qwen's
+    vocabularies do): the token holds reply characters, so it is trained, as transformers'
+    assistant mask trains it (it was left out: a token counted only when its first
+    character was in the reply, and every reply lost its first word)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["Yes indeed. " * 50 + "### Response: Yes " * 50 + "### Instruction: Say yes\n" * 50],
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.token_to_id("ĠYes") is not None
+    folder = tmp_path / "m"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    _write_config(folder, "{% for m in messages %}{% if m.role == 'user' %}### Instruction: {{ m.content }}\n"
+                          "{% else %}### Response: {% generation %}{{ m.content }}\n{% endgeneration %}{% endif %}{% endfor %}"
+                          "{% if add_generation_prompt %}### Response: {% endif %}")
+    chats = [[{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "Yes indeed"}]]
+    want_ids, want_mask = _transformers_documents(folder, chats)
+    prepare(_jsonl(tmp_path / "c.jsonl", chats), tmp_path / "c.u16", tokenizer=folder / "tokenizer.json", messages_key="messages",
+            progress=False)
+    ids = np.fromfile(tmp_path / "c.u16", dtype=np.uint16).tolist()
+    mask = np.fromfile(tmp_path / "c.u16.loss_mask", dtype=np.uint8).tolist()
+    assert ids == want_ids and mask == want_mask
+    assert [tok.id_to_token(i) for i, m in zip(ids, mask) if m][:2] == ["ĠYes", "Ġindeed"]
