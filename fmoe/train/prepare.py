@@ -12,6 +12,10 @@ its name (case-insensitive) a file is:
 
     *.jsonl, *.ndjson (+ .gz)   JSON Lines: each line an object, its --text_key string one
                                 document (blank lines skipped)
+    *.json                      records too: a JSON array of objects (alpaca_data.json), or
+                                JSON Lines by another name; a file of one JSON object
+                                (dataset_info.json: no records) is left out of a directory,
+                                and refused given alone
     *.parquet                   a Parquet table: each row's --text_key string one document
                                 (read 1024 rows at a time with pyarrow: pip install 'fmoe[data]')
     *.gz                        gzip-compressed text: one document
@@ -19,6 +23,10 @@ its name (case-insensitive) a file is:
     (refused: *.zst / *.zstd, decompress them first; tar archives, *.tar / *.tar.gz / *.tgz,
     extract them first; a text or .gz file holding a NUL byte, which text never does)
     A UTF-8 byte-order mark at the start of a text file or of a JSON Lines file is dropped.
+
+A directory that holds files of records (JSON Lines, Parquet, .json records) is read for
+its records alone: its text files (a dataset's README.md, LICENSE) are left out, named in
+a warning, as are .json files of one object (its metadata).
 
 Each non-empty document's text is encoded by a Hugging Face `tokenizers`
 Tokenizer (the `data` extra: pip install 'fmoe[data]') without the tokenizer's
@@ -96,6 +104,7 @@ import os
 import re
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
@@ -123,6 +132,7 @@ _READ_BYTES = 1 << 22
 _LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "Sequence")
 _PROGRESS_SECONDS = 1.0
 _PARQUET_ROWS = 1024  # rows of a Parquet file read at a time
+_RECORD_KINDS = ("jsonl", "json", "parquet")  # _kind's files of records
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone one (a JSON escape without its pair): tokenizers refuses the str
 
 
@@ -206,7 +216,44 @@ def _kind(path: Path) -> str:
         return "jsonl"
     if name.endswith(".parquet"):
         return "parquet"
+    if name.endswith(".json"):
+        return "json"
     return "gzip" if name.endswith(".gz") else "text"
+
+
+def _json_layout(path: Path) -> str:
+    """How a .json file holds its records, from its first line: "array" (a JSON array of
+    objects), "lines" (JSON Lines by another name: a first line that is a whole JSON value),
+    or "object" (one JSON value over several lines, e.g. a dataset's metadata: no records)."""
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20).decode("utf-8", errors="replace").removeprefix("\ufeff").strip()
+    if first.startswith("["):
+        return "array"
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return "object"
+    return "lines"
+
+
+def _json_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Iterator[tuple]:
+    """The records of a .json file (_json_layout): each object of its array, or each line."""
+    layout = _json_layout(path)
+    if layout == "lines":
+        yield from _jsonl_documents(path, fields)
+        return
+    text = _decode(path.read_bytes(), repr(str(path))).removeprefix("\ufeff")
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"src: {str(path)!r} is not JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"src: {str(path)!r} holds one JSON {type(records).__name__}, not records: a .json source is a JSON array "
+                         "of objects, or JSON Lines (one object per line)")
+    del text
+    for number, record in enumerate(records):
+        where = f"{str(path)!r} record {number}"
+        yield where, *(_field(record, key, where, knob) for key, knob in fields)
 
 
 def _decode(data: bytes, where: str) -> str:
@@ -295,6 +342,8 @@ def _documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Ite
     kind = _kind(path)
     if kind == "jsonl":
         yield from _jsonl_documents(path, fields)
+    elif kind == "json":
+        yield from _json_documents(path, fields)
     elif kind == "parquet":
         yield from _parquet_documents(path, fields)
     else:
@@ -469,7 +518,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     docstring); returns the index.
 
     Args:
-        src: a directory of source files (text, gzip, JSON Lines, Parquet), or one.
+        src: a directory of source files (text, gzip, JSON Lines, .json records, Parquet), or one;
+            a directory of records leaves out the files beside them (warned).
         out: the token file to write (its directory is created); out + ".index.json" too.
         tokenizer: a tokenizers tokenizer.json.
         separator: the end-of-document token (str) or id (int); None: SEPARATOR_TOKENS.
@@ -507,14 +557,26 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     if (chat_template is not None or chat_template_kwargs is not None) and messages_key is None:
         raise ValueError("chat_template, chat_template_kwargs: they render conversations, which need --messages_key")
     files = _source_files(src, out)
-    texts = [path for path in files if _kind(path) not in ("jsonl", "parquet")]  # also refuses zstd files before any work
+    kinds = {path: _kind(path) for path in files}  # also refuses zstd files before any work
+    metadata = [path for path in files if kinds[path] == "json" and _json_layout(path) == "object"]
+    if src.is_dir():  # records beside text files: a dataset's card, license and metadata are not its documents
+        if any(kind in _RECORD_KINDS for kind in kinds.values()):
+            metadata += [path for path in files if kinds[path] not in _RECORD_KINDS]
+        if metadata:
+            names = [path.relative_to(src).as_posix() for path in sorted(metadata)]
+            warnings.warn(f"src: {len(names)} file(s) beside the records of {str(src)!r} are left out (text, or a .json of one object): "
+                          f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}", stacklevel=2)
+            files = [path for path in files if path not in metadata]
+        if not files:
+            raise ValueError(f"src: no records or text under {str(src)!r} (only .json files of one object each)")
+    texts = [path for path in files if kinds[path] not in _RECORD_KINDS]
     records = len(texts) < len(files)
     for key, knob in ((prompt_key, "prompt_key"), (messages_key, "messages_key")):
         if key is not None and texts:
             raise ValueError(f"src: {str(texts[0])!r} is not JSON Lines or Parquet: a text file has no {key!r} (--{knob}) field")
     if text_key != "text" and not records:  # a field named, and no record to read it from: it would be ignored
         raise ValueError(f"text_key: {text_key!r} names a field, but src has no JSON Lines or Parquet file ({str(texts[0])!r} is "
-                         "read as one text document; name JSON Lines files .jsonl or .ndjson)")
+                         "read as one text document; name JSON Lines files .jsonl, .ndjson or .json)")
     if messages_key is not None:  # and a record's tools, when it has them (optional)
         fields = ((messages_key, "messages_key"), (TOOLS_FIELD, None))
     else:
@@ -618,7 +680,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fmoe.train.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("src", help="a directory of source files (text, .gz, .jsonl[.gz], .parquet), or one")
+    parser.add_argument("src", help="a directory of source files (text, .gz, .jsonl[.gz], .json, .parquet), or one")
     parser.add_argument("out", help="the token file to write, e.g. data/code.u16 (and its .index.json)")
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json")
     parser.add_argument("--separator", default=None, help="end-of-document token, or its id (digits 0-9); "

@@ -267,15 +267,17 @@ def _records(root, key="text"):
 
 
 def test_json_lines_parquet_and_gzip_sources(tmp_path, tokenizer_path):
-    """Each JSON Lines line / Parquet row is a document (its text_key), a .gz text file one;
-    empty texts are skipped; the index says which key was read."""
+    """Each JSON Lines line / Parquet row is a document (its text_key), a .gz text file one
+    (given alone: beside records, a text file is left out, warned of); empty texts are
+    skipped; the index says which key was read."""
     pytest.importorskip("pyarrow", reason="Parquet sources need pyarrow (the fmoe[data] extra)")
     tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
     src = _records(tmp_path / "src")
-    index = prepare(src, tmp_path / "r.u16", tokenizer=tokenizer_path, progress=False)
+    with pytest.warns(UserWarning, match=r"src: 1 file\(s\) beside the records of .* are left out \(text, or a .json of one object\): d.txt.gz$"):
+        index = prepare(src, tmp_path / "r.u16", tokenizer=tokenizer_path, progress=False)
     kept = [t for t in RECORDS if t]
-    want = kept + kept + kept + ["a whole gzip text"]  # sorted file names: a, b, c, d
-    assert index["documents"] == len(want) and index["sources"] == 4 and index["text_key"] == "text"
+    want = kept + kept + kept  # sorted file names: a, b, c
+    assert index["documents"] == len(want) and index["sources"] == 3 and index["text_key"] == "text"
     ds = load_corpus(tmp_path / "r.u16")
     assert [tok.decode(ds.document(i).tolist()[:-1]) for i in range(len(ds))] == want
     # another key, from the command line; a text-only source writes no text_key
@@ -463,10 +465,11 @@ def test_bad_prompt_sources_and_masks(tmp_path, tokenizer_path):
     (tmp_path / "t.txt").write_text("plain text")
     with pytest.raises(ValueError, match=r"src: '.*t.txt' is not JSON Lines or Parquet: a text file has no 'prompt' \(--prompt_key\) field"):
         prepare(tmp_path / "t.txt", out, tokenizer=tokenizer_path, prompt_key="prompt", progress=False)
-    # a field named for text files (JSON Lines saved as .json): refused, not the whole file read as one document of JSON
+    # a field named for text files: refused, not the whole file read as one document (JSON Lines saved as .json are records)
+    with pytest.raises(ValueError, match=r"text_key: 'response' names a field, but src has no JSON Lines or Parquet file \('.*t.txt'"):
+        prepare(tmp_path / "t.txt", out, tokenizer=tokenizer_path, text_key="response", progress=False)
     (tmp_path / "records.json").write_text("".join(json.dumps(r) + "\n" for r in SFT))
-    with pytest.raises(ValueError, match=r"text_key: 'response' names a field, but src has no JSON Lines or Parquet file \('.*records.json'"):
-        prepare(tmp_path / "records.json", out, tokenizer=tokenizer_path, text_key="response", progress=False)
+    assert prepare(tmp_path / "records.json", tmp_path / "j.u16", tokenizer=tokenizer_path, text_key="response", progress=False)["documents"] == sum(bool(r["response"]) for r in SFT)
     for bad in ("", "text", 3):
         with pytest.raises(ValueError, match="prompt_key: expected a non-empty field name other than text_key 'text'"):
             prepare(tmp_path / "sft.jsonl", out, tokenizer=tokenizer_path, prompt_key=bad, progress=False)
@@ -570,3 +573,31 @@ def test_a_byte_order_mark_is_not_a_token(tmp_path, tokenizer_path):
         assert len(docs) == 2
         first, second = (docs.document(i).tolist()[:-1] for i in range(2))
         assert first == expected and (second == expected) == (out == "t.u16")  # a BOM inside a record's text is the record's
+
+
+def test_a_dataset_folder_is_read_for_its_records_and_json_records_are_records(tmp_path, tokenizer_path):
+    """A downloaded dataset's folder: records (here a .json array of objects, as
+    alpaca_data.json, and JSON Lines named .json) beside its card, license and metadata,
+    which are left out with a warning naming them (they were tokenized as documents); a
+    .json of one object given alone is refused (it was one document of raw JSON)."""
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    root = tmp_path / "dataset"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "alpaca.json").write_text(json.dumps([{"text": t, "id": i} for i, t in enumerate(RECORDS)], indent=2))
+    (root / "data" / "more.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in RECORDS[:2]))
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card")
+    (root / "LICENSE").write_text("MIT License")
+    (root / "dataset_info.json").write_text(json.dumps({"features": {"text": "string"}, "splits": ["train"]}, indent=2))
+    with pytest.warns(UserWarning, match=r"src: 3 file\(s\) beside the records of .* are left out \(text, or a .json of one object\): "
+                                         r"LICENSE, README.md, dataset_info.json$"):
+        index = prepare(root, tmp_path / "r.u16", tokenizer=tokenizer_path, progress=False)
+    kept = [t for t in RECORDS if t]
+    ds = load_corpus(tmp_path / "r.u16")
+    assert [tok.decode(ds.document(i).tolist()[:-1]) for i in range(len(ds))] == kept + [t for t in RECORDS[:2] if t]
+    assert index["sources"] == 2 and index["text_key"] == "text"
+    with pytest.raises(ValueError, match=r"src: '.*dataset_info.json' holds one JSON dict, not records: a .json source is a JSON array "
+                                         r"of objects, or JSON Lines"):
+        prepare(root / "dataset_info.json", tmp_path / "m.u16", tokenizer=tokenizer_path, progress=False)
+    (root / "data" / "bad.json").write_text('[{"text": "a"}, {"text": 3}]')
+    with pytest.raises(ValueError, match=r"src: '.*bad.json' record 1 has no string 'text' field"):
+        prepare(root / "data" / "bad.json", tmp_path / "b.u16", tokenizer=tokenizer_path, progress=False)
