@@ -702,7 +702,9 @@ class MetricsLogger:
     tensorboard: also write every number of each record to TensorBoard event files in
     `<out_dir>/tensorboard` (torch's SummaryWriter; the `tensorboard` package, the
     `fmoe[tensorboard]` extra): a scalar as its key, a list of numbers (per MoE layer) as
-    key/0, key/1, ..., a dict of numbers (tokens per data source) as key/name.
+    key/0, key/1, ..., a dict of numbers (tokens per data source) as key/name. The writer opens
+    with purge_step=start_step, so TensorBoard hides the events of steps >= start_step that
+    an earlier (killed) run wrote: one record per step there too.
     """
 
     def __init__(self, out_dir, *, rank: int = 0, total_steps: int, start_step: int = 0, print_progress: bool = True,
@@ -725,7 +727,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
                 raise ImportError("tensorboard: needs the tensorboard package: pip install 'fmoe[tensorboard]'") from err
-            self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step)
 
     def log(self, step: int, record: dict) -> None:
         """Write {"step": step, **record} as one line (and print the progress line). step: an

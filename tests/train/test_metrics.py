@@ -974,6 +974,28 @@ def test_tensorboard_gets_every_number_of_a_record(tmp_path):
     assert not (tmp_path / "r1").exists()
 
 
+def test_tensorboard_keeps_one_record_per_step_after_a_resume(tmp_path):
+    """A killed run logged steps 1..6, its newest checkpoint is step 4: the resumed run (start_step=5) re-logs 5 and 6;
+    TensorBoard shows each step once, the resumed run's values (as metrics.jsonl), not the killed run's beside them."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = M.MetricsLogger(tmp_path, total_steps=6, print_progress=False, tensorboard=True)
+    for step in range(1, 7):
+        log.log(step, {"loss": 10.0 - step, "load_max_over_mean": [1.0 + step]})
+    log.close()
+    log = M.MetricsLogger(tmp_path, total_steps=6, start_step=5, print_progress=False, tensorboard=True)
+    for step in (5, 6):
+        log.log(step, {"loss": 100.0 + step, "load_max_over_mean": [9.0]})
+    log.close()
+    expected = [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 105.0), (6, 106.0)]
+    assert [(r["step"], r["loss"]) for r in M.read_metrics(tmp_path / "metrics.jsonl")] == expected
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == expected
+    assert [e.value for e in events.Scalars("load_max_over_mean/0")] == [2.0, 3.0, 4.0, 5.0, 9.0, 9.0]
+
+
 # ---------------------------------------------------------------------------- energy
 
 
