@@ -1100,7 +1100,8 @@ def main(argv: list[str]) -> None:
                 break
     _report_profile(profiler.close(), rank)  # the run ended inside the profiled steps
     logger.close()
-    ended = "stopped" if record is not None and stopping else "done"  # a stopped run is not done: --resume continues it
+    # a stopped run (a signal, the time limit, or --stop_at before --steps) is not done: --resume continues it
+    ended = "stopped" if record is not None and (stopping or step < cfg.steps) else "done"
     if rank == 0 and record is None:
         print(f"done: the run in {cfg.out_dir} is at step {step}, nothing to train up to step {last} "
               f"(--steps={cfg.steps}{f', --stop_at={cfg.stop_at}' if cfg.stop_at > 0 else ''})")

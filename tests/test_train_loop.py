@@ -285,11 +285,16 @@ def test_a_resume_whose_schedule_changed_says_so(tmp_path):
     a cosine run's learning rate went back up at the resume without a word. The run says
     which knobs changed it and from what; a resume on the run's own schedule says nothing."""
     out = tmp_path / "run"
-    assert _train(out, "--steps=4", "--eval_batches=0", "--warmup=1", "--stop_at=2").returncode == 0
+    first = _train(out, "--steps=4", "--eval_batches=0", "--warmup=1", "--stop_at=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    # a run --stop_at ends before --steps is stopped, not done (--resume continues it), as a signal or time stop
+    assert re.search(r"^stopped: step 2, loss \d+\.\d{4} \(no validation", first.stdout, flags=re.M) and "done:" not in first.stdout, first.stdout
     same = _train(out, "--steps=4", "--eval_batches=0", "--warmup=1", "--stop_at=3", "--resume")
     assert same.returncode == 0 and "resumed from" in same.stdout and "note: step" not in same.stdout, same.stdout
+    assert re.search(r"^stopped: step 3, ", same.stdout, flags=re.M), same.stdout
     longer = _train(out, "--steps=8", "--eval_batches=0", "--warmup=1", "--resume")
     assert longer.returncode == 0, longer.stderr[-3000:]
+    assert re.search(r"^done: step 8, ", longer.stdout, flags=re.M), longer.stdout
     lr = {r["step"]: r["lr"] for r in _records(out)}
     said = re.search(r"^note: step 4 runs at a learning rate of ([\d.e-]+) by this run's schedule, where the run's own gave ([\d.e-]+): "
                      r"--steps=8 \(was 4\); a resumed run follows the schedule of its knobs$", longer.stdout, flags=re.M)
