@@ -760,8 +760,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
-        per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert
-        n_active = n_params - len(moe_names) * (model_cfg.n_experts - model_cfg.k) * per_expert  # zero experts: at most
+        n_active = metrics.active_parameters(whole)  # zero experts: at most
         first_step = cfg.tokens_per_micro_batch * batch_size_at(tokens_seen, cfg.batch_schedule)
         mesh = " ".join(f"{k}={v}" for k, v in mesh_shape.items() if v > 1) or "one process"
         if pipe is not None:

@@ -515,6 +515,27 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                                      mlp_matrices=mlp_matrices, n_mlp_only=mixer_free)
 
 
+def active_parameters(model) -> int:
+    """The parameters a token runs through: all of model's (model.parameters(), each shared
+    one once; a DTensor's global numel) less, for each MoE layer of model.moe_layers() (the
+    trunk's and the MTP modules'), the (E - k) / E share of its routed experts' parameters
+    (its `experts` module: w_gate / w_up [E, H or L, F], w_down [E, F, H or L], the expert
+    biases): a token runs k of the E experts. From the weights' actual shapes, so a GLU
+    (3 matrices) or plain (relu2: 2) expert and a latent MoE (experts over L channels)
+    count alike. k is cfg.k, which with zero experts counts the zero-computation ones: then
+    it is an upper bound. Everything else counts whole (embeddings, shared experts, routers,
+    a mixture of attention heads' heads). model: a fmoe.model.Transformer (any device,
+    meta included) or a module with the same moe_layers()."""
+    total = sum(p.numel() for p in model.parameters())
+    for name, moe in model.moe_layers().items():
+        n_experts, k = moe.cfg.n_experts, moe.cfg.k
+        routed = sum(p.numel() for p in moe.experts.parameters())
+        if routed % n_experts:
+            raise ValueError(f"model: MoE layer {name}'s routed experts hold {routed} parameters, not n_experts={n_experts} equal shares")
+        total -= routed // n_experts * max(n_experts - k, 0)
+    return total
+
+
 def datasheet_peak_flops(name: str) -> Optional[float]:
     """Dense bf16 peak FLOP/s of a GPU from its name (torch.cuda.get_device_name), None if
     unknown: H100 SXM / H200 989e12, H100 NVL 835e12, H100 PCIe 756e12, A100 312e12."""

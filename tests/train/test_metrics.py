@@ -540,6 +540,30 @@ def test_plot_cli_says_what_is_wrong_with_odd_records(tmp_path, capsys, records,
         assert "the plots draw loss, val_loss," in err and "tokens_per_expert" in err and err.endswith("its records log foo\n")
 
 
+def test_active_parameters_from_the_routed_experts_shapes():
+    """active = total - (E - k) x one expert's parameters per MoE layer (2 trunk + the MTP block's): a GLU expert holds 3
+    matrices of H x F, a relu2 one 2, a latent MoE's 3 of L x F (train_moe printed total - (E - k) 3 H F for each, -2.18M
+    "active" for a relu2 or latent model)."""
+    from fmoe.model import Transformer, TransformerConfig
+
+    base = dict(vocab_size=300, hidden=64, n_layers=3, n_dense=1, ffn_dense=128, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                n_heads=4, n_kv_heads=2, head_dim=16, mtp_depth=1)
+    one_expert = {"glu": 3 * 64 * 32, "relu2": 2 * 64 * 32, "latent": 3 * 16 * 32, "relu2_latent": 2 * 16 * 32,
+                  "glu_biases": 3 * 64 * 32 + 2 * 32 + 64}
+    over = {"glu": {}, "relu2": dict(mlp_act="relu2"), "latent": dict(moe_latent=16), "relu2_latent": dict(mlp_act="relu2", moe_latent=16),
+            "glu_biases": dict(expert_biases=True)}
+    for name, knobs in over.items():
+        with torch.device("meta"):
+            model = Transformer(TransformerConfig(**base, **knobs))
+        assert len(model.moe_layers()) == 3
+        total = sum(p.numel() for p in model.parameters())
+        assert M.active_parameters(model) == total - 3 * (4 - 2) * one_expert[name], name
+    # top-4 of 4: every parameter is active
+    with torch.device("meta"):
+        model = Transformer(TransformerConfig(**{**base, "k": 4}))
+    assert M.active_parameters(model) == sum(p.numel() for p in model.parameters())
+
+
 def test_model_flops_per_token_reads_the_model_config():
     from fmoe.model import TransformerConfig
 
