@@ -126,7 +126,9 @@ class Config:
     stop_signals: str = "SIGTERM,SIGUSR1"  # these signals stop the run after its step, with a checkpoint (a scheduler's
                                     # preemption or limit; a second one acts as usual); "": none
     seed: int = 0                   # the model's initialisation and the data's order
-    out_dir: str = "out/train_moe"  # config.json, metrics.jsonl and the step_N checkpoints
+    out_dir: str = "out/train_moe"  # config.json, metrics.jsonl and the step_N checkpoints (metrics' mfu is over the GPU's
+                                    # datasheet dense bf16 peak, config.json's peak_flops: null, and mfu null, off CUDA or
+                                    # for an unknown GPU; benchmarks/RESULTS.md's MFU is over a measured matmul rate)
     resume: bool = False            # continue the run in out_dir from its newest checkpoint
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
@@ -793,6 +795,7 @@ def main(argv: list[str]) -> None:
     if rank == 0 and step < last:  # a resumed run at its last step trains nothing: its config.json stays the run's
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
                      memory_plan=plan, energy={"measured": energy.available, "reason": energy.reason},
+                     peak_flops=peak,  # mfu's denominator: the device's datasheet dense bf16 FLOP/s (metrics.peak_flops), None if unknown
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size, byte_tokens=corpus.byte_tokens,
                      data_sources=[dict(name=n, weight=w, path=None if p is None else str(Path(p).resolve()))
                                    for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])

@@ -102,6 +102,7 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     assert config["config"]["model"]["hidden"] == 32 and config["config"]["steps"] == 30 and config["config"]["lr"] == 1e-2
     assert config["world_size"] == 1 and config["mesh"]["dp_shard"] == 1
     assert config["energy"] == {"measured": False, "reason": "CPU device"}
+    assert config["peak_flops"] is None and last["mfu"] is None  # mfu's denominator, the datasheet peak: none for a CPU
     plan = config["memory_plan"]  # float32 weights and gradients, AdamW's two float32 moments
     assert plan["grads"] == plan["params"] and plan["optimizer"] == 2 * plan["params"] > 0
     import torch, triton  # noqa: E401
