@@ -13,6 +13,10 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
                      zero_grads (parameters whose gradient is exactly zero), energy per
                      token (joules), and, for a blend, each data source's share of the step's
                      tokens
+
+A non-finite value (NaN or inf, logged as null) breaks its line at its step, which a dotted
+vertical line marks, and each panel notes how many such steps a series has; a series with
+no finite value keeps its panel, with that note.
 """
 
 from __future__ import annotations
@@ -46,8 +50,16 @@ def _pyplot():
 
 
 def _series(records: list[dict], key: str) -> tuple[list, list]:
-    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    """(steps, values) of the records that log `key`: a number as itself, a null (the logger's
+    NaN or inf) as NaN, so that a line breaks there (_draw_panel marks it); a record without
+    the key (or with another kind of value) is left out."""
+    pairs = [(r["step"], math.nan if r[key] is None else r[key]) for r in records
+             if key in r and (r[key] is None or _is_number(r[key]))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _non_finite(values: list) -> int:
+    return sum(not math.isfinite(v) for v in values)
 
 
 def _logged(records: list[dict], keys) -> list[str]:
@@ -62,7 +74,7 @@ def _logged(records: list[dict], keys) -> list[str]:
             found += sorted(matches, key=matches.get)
         else:
             found.append(key)
-    return [key for key in found if any(v != 0 for v in _series(records, key)[1])]
+    return [key for key in found if any(v != 0 for v in _series(records, key)[1])]  # NaN != 0: an all-null series keeps its panel
 
 
 def plot_losses(records: list[dict], path: Path, plt) -> bool:
@@ -89,13 +101,27 @@ def _per_source(records: list[dict], key: str) -> dict[str, tuple[list, list]]:
     """name -> (steps, values) of the records' `key` dicts (e.g. val_loss_by_source)."""
     rows = [r for r in records if isinstance(r.get(key), dict)]
     names = sorted({name for r in rows for name in r[key]})
-    return {name: _series([{"step": r["step"], "v": r[key].get(name)} for r in rows], "v") for name in names}
+    return {name: _series([{"step": r["step"], "v": r[key][name]} for r in rows if name in r[key]], "v") for name in names}
 
 
 def _draw_panel(ax, series: dict[str, tuple[list, list]], ylabel: str) -> None:
-    """One axis: a line per named (steps, values) series, a legend when there are several."""
+    """One axis: a line per named (steps, values) series, a legend when there are several. A
+    non-finite value (NaN: logged as null) breaks its line, a dotted vertical line in the
+    series' colour marks its step, and a note in the panel counts such steps per series
+    ("loss: 2 non-finite steps (null)"; "loss: all 5 steps non-finite (null)" for a series
+    with no finite value, whose panel is otherwise empty)."""
+    notes = []
     for label, (steps, values) in series.items():
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=label)
+        (line,) = ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=label)
+        bad = [step for step, v in zip(steps, values) if not math.isfinite(v)]
+        for step in bad:
+            ax.axvline(step, color=line.get_color(), ls=":", lw=1, alpha=0.8)
+        if bad:
+            notes.append(f"{label}: all {len(bad)} steps non-finite (null)" if len(bad) == len(values) > 1 else
+                         f"{label}: {len(bad)} non-finite step{'s' * (len(bad) != 1)} (null)")
+    if notes:
+        ax.text(0.01, 0.97, "\n".join(notes), transform=ax.transAxes, va="top", ha="left", fontsize=8, color="tab:red",
+                bbox=dict(facecolor="white", alpha=0.8, lw=0))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if len(series) > 1:
@@ -235,7 +261,8 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
     for ax, keys in zip(axes[:, 0], panels):
         series = {key: _series(records, key) for key in keys}
         _draw_panel(ax, series, " / ".join(keys))
-        if len(keys) > 1 and all(v > 0 for _, values in series.values() for v in values):
+        finite = [v for _, values in series.values() for v in values if math.isfinite(v)]
+        if len(keys) > 1 and finite and all(v > 0 for v in finite):
             ax.set_yscale("log")  # the gradient's norm beside the weights', tens of times larger
     if shares:
         _draw_panel(axes[-1, 0], shares, "share of tokens")

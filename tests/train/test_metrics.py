@@ -424,6 +424,46 @@ def test_expert_load_plot_draws_a_diverged_layers_null_load_as_a_gap(tmp_path):
     assert plot.plot_run(tmp_path) == [tmp_path / "loss.png", tmp_path / "expert_load.png"]
 
 
+def test_line_plots_mark_a_non_finite_step_and_keep_an_all_null_series(tmp_path):
+    """metrics.jsonl writes a NaN or inf as null: the line breaks at that step (it was drawn straight across from the step
+    before to the step after), a dotted vertical line marks the step, and the panel counts them; a loss null at every step
+    keeps its panel with a note (it lost its panel without a word)."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    log = M.MetricsLogger(tmp_path, total_steps=4, print_progress=False)
+    nan, inf = float("nan"), float("inf")
+    for step, loss, grad_norm in ((1, 4.0, 1.0), (2, 3.0, inf), (3, nan, nan), (4, 1.0, 0.25)):
+        log.log(step, {"loss": loss, "grad_norm": grad_norm, "param_norm": 40.0})
+    log.close()
+    records = M.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["grad_norm"] for r in records] == [1.0, None, None, 0.25] and records[2]["loss"] is None
+    pyplot, Keeps, figures = _keeping_pyplot()
+
+    def panel(fig, ylabel):
+        (ax,) = [ax for ax in fig.axes if ax.get_ylabel() == ylabel]
+        lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+        marks = sorted(line.get_xdata()[0] for line in ax.get_lines() if line.get_label().startswith("_") and line.get_linestyle() == ":")
+        return lines, marks, [t.get_text() for t in ax.texts]
+
+    assert plot.plot_losses(records, tmp_path / "loss.png", Keeps) and plot.plot_health(records, tmp_path / "health.png", Keeps)
+    lines, marks, notes = panel(figures[0], "loss")
+    assert list(lines["loss"].get_xdata()) == [1, 2, 3, 4] and math.isnan(lines["loss"].get_ydata()[2])  # a gap at step 3
+    assert marks == [3] and notes == ["loss: 1 non-finite step (null)"]
+    lines, marks, notes = panel(figures[1], "grad_norm / param_norm")
+    assert math.isnan(lines["grad_norm"].get_ydata()[1]) and math.isnan(lines["grad_norm"].get_ydata()[2])
+    assert marks == [2, 3] and notes == ["grad_norm: 2 non-finite steps (null)"]
+    assert figures[1].axes[0].get_yscale() == "log"  # the finite norms decide the scale
+    # a run whose loss is null at every step (--check_finite=False, diverged): the loss panel stays, said
+    nulls = [{**r, "loss": None} for r in records]
+    assert plot.plot_losses(nulls, tmp_path / "loss.png", Keeps)
+    lines, marks, notes = panel(figures[2], "loss")
+    assert marks == [1, 2, 3, 4] and notes == ["loss: all 4 steps non-finite (null)"]
+    # a key a record does not log (val_loss between evaluations) is no gap and no mark
+    assert plot._series([{"step": 1, "loss": 2.0}, {"step": 2, "val_loss": 1.0}], "val_loss") == ([2], [1.0])
+    pyplot.close("all")
+
+
 def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
     """The panels are titled by the logged moe_layers (block 1 and the MTP module here), not
     by their rows (which named block 1 "layer 0" and the MTP module "layer 1")."""
