@@ -133,15 +133,32 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     return hf, notes, folder if source else None
 
 
-def copy_folder_files(source: Path, out: Path) -> list[str]:
+def _linked_outside(file: Path, source: Path) -> bool:
+    """Whether `file` of the folder `source` is a link to a file outside it: anywhere but
+    the folder itself or, for a folder of the Hugging Face hub's cache
+    (models--org--name/snapshots/<revision>/), the blobs of its repository."""
+    if not file.is_symlink():
+        return False
+    target, folder = file.resolve(), source.resolve()
+    repository = next((p for p in folder.parents if p.name.startswith("models--")), None)
+    return not (target.is_relative_to(folder) or repository is not None and target.is_relative_to(repository / "blobs"))
+
+
+def copy_folder_files(source: Path, out: Path) -> tuple[list[str], list[str]]:
     """Copy every top-level file of the HF folder `source` but its config and weights
-    (tokenizer, generation config, license, ...) into `out`; returns their names."""
-    names = []
+    (tokenizer, generation config, license, ...) into `out`; returns (their names, notes on
+    the files left out). A link to a file outside the folder (_linked_outside) is left out:
+    an export is made to be shared, and a folder from elsewhere could link in any file of
+    this machine (an ssh key, /proc/self/environ and its tokens)."""
+    names, left = [], []
     for file in sorted(source.iterdir()):
         if file.is_file() and file.name != "config.json" and not file.name.endswith(WEIGHT_SUFFIXES):
+            if _linked_outside(file, source):
+                left.append(f"{file.name}: a link to {str(file.resolve())!r}, outside {str(source)!r}; not copied")
+                continue
             shutil.copy2(file, out / file.name)
             names.append(file.name)
-    return names
+    return names, left
 
 
 def run_tokenizer_files(run: dict) -> tuple[list[Path], str]:
@@ -221,7 +238,8 @@ def main(argv: list[str]) -> None:
         sys.exit(str(err))
     fmoe.hf.save_pretrained(model, out, max_shard_bytes=max_shard_bytes)
     if rank == 0:
-        copied = copy_folder_files(source, out) if source is not None else []
+        copied, not_copied = copy_folder_files(source, out) if source is not None else ([], [])
+        notes.extend(not_copied)
         tokenizer_files, note = run_tokenizer_files(run) if source is None else ([], "")
         for file in tokenizer_files:  # the tokenizer.json may have another name: the folder's is tokenizer.json
             shutil.copy2(file, out / ("tokenizer.json" if file == tokenizer_files[0] else file.name))

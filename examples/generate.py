@@ -177,7 +177,22 @@ def named_tokenizer(run: dict) -> tuple[Optional[tuple[Path, int]], str]:
     tokenizer, separator = named.pop()
     if not Path(tokenizer).is_file():
         return None, f"the tokenizer the data's index names, {tokenizer!r}, is not here"
+    if not _is_tokenizer_json(Path(tokenizer)):  # an index from elsewhere may name any file: export_hf would copy it out
+        return None, f"the file the data's index names as its tokenizer, {tokenizer!r}, is not a tokenizer.json"
     return (Path(tokenizer), separator), ""
+
+
+def _is_tokenizer_json(path: Path) -> bool:
+    """Whether `path` holds a tokenizers tokenizer.json: a JSON object with its "model"."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(1).strip() not in (b"{", b""):  # not JSON at all: read no further (a device, /proc's files)
+                return False
+            f.seek(0)
+            content = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(content, dict) and isinstance(content.get("model"), dict)
 
 
 def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:

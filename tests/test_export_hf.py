@@ -177,6 +177,41 @@ def test_a_run_on_prepared_token_files_exports_the_tokenizer_their_index_names(o
     printed = capsys.readouterr().out
     assert f"left out: the tokenizer: the tokenizer the data's index names, '{tmp_path / 'tok' / 'words.json'}', is not here; no tokenizer written" in printed
     assert not (tmp_path / "gone" / "tokenizer.json").exists() and "copied" not in printed, printed
+    # an index from elsewhere that names another file as its tokenizer (a secret of this machine): not copied into the export
+    secret = tmp_path / "secret.txt"
+    secret.write_text("HF_TOKEN=hf_abc")
+    index = json.loads((tmp_path / "data.u16.index.json").read_text())
+    for named in (secret, pathlib.Path("/proc/self/environ")):
+        (tmp_path / "data.u16.index.json").write_text(json.dumps(dict(index, tokenizer=str(named))))
+        export_hf.main([str(run), str(tmp_path / "leak"), "--model_type=glm4_moe"])
+        printed = capsys.readouterr().out
+        assert f"left out: the tokenizer: the file the data's index names as its tokenizer, '{named}', is not a tokenizer.json" in printed
+        assert not (tmp_path / "leak" / "tokenizer.json").exists() and "copied" not in printed, printed
+        assert not any("hf_abc" in f.read_text(errors="replace") for f in (tmp_path / "leak").iterdir() if f.suffix != ".safetensors")
+
+
+def test_links_out_of_the_hf_folder_are_not_copied_into_the_export(tmp_path):
+    """copy_folder_files: a folder from elsewhere may link any file of this machine in (an
+    ssh key): such a link is left out with a note; the hub cache's links to its repository's
+    blobs, and links inside the folder, are copied."""
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"model": {}}')
+    folder = repo / "snapshots" / "rev"
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").symlink_to(repo / "blobs" / "abc123")
+    (folder / "LICENSE").write_text("MIT")
+    (folder / "NOTICE").symlink_to(folder / "LICENSE")
+    (folder / "tokenizer.model").symlink_to(secret)
+    (folder / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    names, notes = export_hf.copy_folder_files(folder, out)
+    assert names == ["LICENSE", "NOTICE", "tokenizer.json"] and sorted(f.name for f in out.iterdir()) == names
+    assert notes == [f"tokenizer.model: a link to '{secret}', outside '{folder}'; not copied"]
+    assert (out / "tokenizer.json").read_text() == '{"model": {}}'
 
 
 def test_two_ranks_write_the_one_process_files(own_run, tmp_path):
