@@ -508,6 +508,10 @@ def main(argv: list[str]) -> None:
             out_dir_lock = OutDirLock(cfg.out_dir)
         except OutDirInUse as err:
             held = str(err)
+        # a run's own files, written through a link (a run directory from elsewhere) into any file of this machine: refused
+        held = held or next((f"--out_dir: {str(link)!r} is a link (to {os.readlink(link)!r}); a run writes its own {link.name}: "
+                             "remove the link" for link in (Path(cfg.out_dir) / name for name in ("config.json", "metrics.jsonl"))
+                             if link.is_symlink()), None)
     earlier = None if cfg.resume else checkpoint.latest(cfg.out_dir)
     if refusal := every_rank(held or (None if earlier is None else (
             f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "

@@ -67,6 +67,31 @@ def test_a_second_run_in_an_out_dir_that_a_run_holds_is_refused(tmp_path):
     assert not (tmp_path / "made").exists()  # made by the lock, still empty: removed (a refused run leaves no out_dir)
 
 
+def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):
+    """A run directory from elsewhere whose config.json or metrics.jsonl links to another
+    file (a shell's rc file): --resume wrote its metrics through the link, emptying that
+    file first. Refused at the start, naming the link; the linked file is untouched, and
+    MetricsLogger and write_config refuse it too."""
+    from fmoe.train.metrics import MetricsLogger
+    from fmoe.train.run import write_config
+
+    target = tmp_path / "bashrc"
+    target.write_text("export PATH=$PATH\n")
+    for name in ("config.json", "metrics.jsonl"):
+        out = tmp_path / name.split(".")[0]
+        out.mkdir()
+        (out / name).symlink_to(target)
+        run = _train(out, "--steps=2", "--resume")
+        assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+            f"--out_dir: '{out / name}' is a link (to '{target}'); a run writes its own {name}: remove the link"), run.stderr[-2000:]
+        assert target.read_text() == "export PATH=$PATH\n"
+    with pytest.raises(ValueError, match=r"out_dir: '.*metrics.jsonl' is a link \(to '.*bashrc'\); a run writes its own metrics.jsonl"):
+        MetricsLogger(tmp_path / "metrics", total_steps=2, start_step=1)
+    with pytest.raises(ValueError, match=r"out_dir: '.*config.json' is a link \(to '.*bashrc'\); a run writes its own config.json"):
+        write_config(tmp_path / "config", {})
+    assert target.read_text() == "export PATH=$PATH\n"
+
+
 def test_thirty_steps_lower_the_loss(tmp_path):
     run = _train(tmp_path, "--steps=30")
     assert run.returncode == 0, run.stderr[-3000:]

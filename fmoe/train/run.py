@@ -174,6 +174,8 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     out_dir = Path(check_path("out_dir", out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
+    if path.is_symlink():  # a run from elsewhere: the write went through the link into any file of this machine
+        raise ValueError(f"out_dir: {str(path)!r} is a link (to {os.readlink(path)!r}); a run writes its own config.json: remove the link")
     record = json.loads(json.dumps({"config": config, **extra, "run": run_info()}, default=str))  # default's strings first
     path.write_text(json.dumps(_strict(record), indent=2, allow_nan=False) + "\n")
     return path
