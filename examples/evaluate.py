@@ -64,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, say_read, start_ranks, text_codec  # noqa: E402
+from generate import (_device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, say_read, start_ranks, text_codec,  # noqa: E402
+                      with_tokenizer)
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
@@ -334,8 +335,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--choices", type=Path, default=None,
                         help="a JSON Lines file of multiple-choice questions to score instead of the data's loss")
     parser.add_argument("--questions", type=int, default=0, help="with --choices: the first N questions (0: all)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="with --choices, a run on prepared token files: the "
+                        "tokenizer.json to use in place of the one its data's index names (a run copied from another machine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.tokenizer is not None and args.choices is None:
+        sys.exit("--tokenizer: it encodes --choices' texts, which are not given (a loss on token data needs no tokenizer)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sizes = {axis: getattr(args, axis) for axis in axes}
     meshes, rank, dtype = None, 0, getattr(torch, args.dtype)
@@ -436,7 +441,7 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
     try:
         error, questions = None, []
         try:  # the tokenizer and the file, each rank's own
-            encode, _, _ = text_codec(args.path, model, run)
+            encode, _, _ = text_codec(args.path, model, with_tokenizer(run, args.tokenizer))
             questions = read_choices(args.choices, encode, limit=args.questions)
             for q in questions:
                 if max(max(q["context"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:

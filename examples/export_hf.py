@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import (_byte_run, _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, run_eos,  # noqa: E402
-                      say_read, start_ranks)
+                      say_read, start_ranks, with_tokenizer)
 
 import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
@@ -187,6 +187,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="the most tensor bytes of one safetensors shard, in GB (10^9 bytes; "
                                                                           "its header aside, as transformers' max_shard_size)")
     parser.add_argument("--device", default="cpu", help="under torchrun: cpu or cuda (each rank its LOCAL_RANK's GPU)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a run on prepared token files: the tokenizer.json to "
+                        "export in place of the one its data's index names (a run copied from another machine)")
     axes = add_parallel_knobs(parser)
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -221,6 +223,10 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "path:")) else f"path: {err}")
     say_read(run, rank)
+    try:
+        run = with_tokenizer(run, args.tokenizer)
+    except ValueError as err:
+        sys.exit(str(err))
     error, hf, notes, source = None, None, [], None
     try:  # each rank reads the HF folder (--hf_config, or the run's --init_from_hf) itself
         hf, notes, source = export_config(model.cfg, run, model_type=args.model_type, hf_folder=args.hf_config, dtype=args.dtype)

@@ -94,7 +94,7 @@ def say_read(run: dict, rank: int = 0) -> None:
 
 def _said(err: BaseException) -> str:
     """A loading error as the script says it: its own words where they name the knob or path."""
-    return str(err) if str(err).startswith(("parallel knobs", "rank ", "--chat", "--prompt_ids", "chat_template", "path:")) else f"path: {err}"
+    return str(err) if str(err).startswith(("parallel knobs", "rank ", "--chat", "--prompt_ids", "--tokenizer", "chat_template", "path:")) else f"path: {err}"
 
 
 def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
@@ -161,22 +161,34 @@ def _byte_run(run: dict) -> bool:
 
 def named_tokenizer(run: dict) -> tuple[Optional[tuple[Path, int]], str]:
     """((tokenizer.json, separator), "") of a run on prepared token files: the ones every data
-    source's index names (fmoe.train.prepare), when that tokenizer file is here; else
-    (None, why not): a source without an index (.npy, a bare token file), sources that name
-    different tokenizers or separators, or a tokenizer moved away."""
+    source's index names (fmoe.train.prepare; where the data is not here, a copied run, as
+    config.json's data_sources recorded them), when that tokenizer file is here, or the one
+    run["tokenizer"] names in its place (with_tokenizer: --tokenizer); else (None, why not):
+    a source without an index (.npy, a bare token file), sources that name different
+    tokenizers or separators, or a tokenizer moved away."""
     from fmoe.train.data import read_index
 
     named = set()
     for source in _data_sources(run):
         index = read_index(source["path"]) if source["path"] and Path(source["path"]).is_file() else None
-        if not index or not isinstance(index.get("tokenizer"), str):
+        index = index or {k: source[k] for k in ("tokenizer", "separator") if k in source}  # as the run recorded it
+        if not isinstance(index.get("tokenizer"), str) and run.get("tokenizer"):  # --tokenizer: the separator --separator gave
+            given = run["config"].get("separator", -1)
+            named.add((None, given if isinstance(given, int) and given >= 0 else None))
+        elif not isinstance(index.get("tokenizer"), str):
             return None, f"the data source {source['path']!r} has no index naming a tokenizer (fmoe.train.prepare writes one)"
-        named.add((index["tokenizer"], index["separator"]))
+        else:
+            named.add((index["tokenizer"], index["separator"]))
     if len(named) != 1:
         return None, f"the data's indexes name different tokenizers or separators: {sorted(named)}"
     tokenizer, separator = named.pop()
+    if run.get("tokenizer"):  # given in its place: the named one's path is another machine's
+        tokenizer = run["tokenizer"]
+        if not Path(tokenizer).is_file() or not _is_tokenizer_json(Path(tokenizer)):
+            return None, f"--tokenizer: {tokenizer!r} is not a tokenizer.json"
+        return (Path(tokenizer), separator), ""
     if not Path(tokenizer).is_file():
-        return None, f"the tokenizer the data's index names, {tokenizer!r}, is not here"
+        return None, (f"the tokenizer the data's index names, {tokenizer!r}, is not here (give its copy with --tokenizer=FILE)")
     if not _is_tokenizer_json(Path(tokenizer)):  # an index from elsewhere may name any file: export_hf would copy it out
         return None, f"the file the data's index names as its tokenizer, {tokenizer!r}, is not a tokenizer.json"
     return (Path(tokenizer), separator), ""
@@ -193,6 +205,19 @@ def _is_tokenizer_json(path: Path) -> bool:
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(content, dict) and isinstance(content.get("model"), dict)
+
+
+def with_tokenizer(run: dict, tokenizer: Optional[Path]) -> dict:
+    """The run config with `tokenizer` (--tokenizer: a tokenizer.json) in place of the one its
+    data's index names (named_tokenizer), e.g. where the run was copied from another machine;
+    the run config as it is for None. Only a run on prepared token files has a tokenizer to
+    replace: a byte run's or an HF folder's (run {}) is a ValueError naming --tokenizer."""
+    if tokenizer is None:
+        return run
+    if not run or _byte_run(run):
+        raise ValueError("--tokenizer: it replaces the tokenizer a run on prepared token files names; "
+                         + ("an HF folder reads its own tokenizer.json" if not run else "this run's data are bytes, which need none"))
+    return {**run, "tokenizer": str(tokenizer)}
 
 
 def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
@@ -469,6 +494,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a run on prepared token files: the tokenizer.json to use in "
+                        "place of the one its data's index names (a run copied from another machine)")
     parser.add_argument("--chat", action="store_true", help="--prompt as a user message in the chat template beside the tokenizer (an HF folder's, or a "
                         "token-file run's); prints the reply")
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
@@ -505,6 +532,7 @@ def main(argv: list[str]) -> None:
     say_read(run, 0 if group is None else dist.get_rank())
     refusal, prompt, stops, chat = None, [], [], None
     try:
+        run = with_tokenizer(run, args.tokenizer)
         encode, decode, eos = text_codec(args.path, model, run)
         stops = stop_ids(args.path, run, eos)
         if args.chat:
@@ -524,7 +552,7 @@ def main(argv: list[str]) -> None:
             prompt = encode(args.prompt) or [eos if eos is not None else 0]
         else:
             raise ValueError("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run whose data's "
-                             "index names no tokenizer that is here); give token ids")
+                             "index names no tokenizer that is here: --tokenizer=FILE names its copy); give token ids")
     except (OSError, ValueError, KeyError) as err:
         refusal = _said(err)
     # each rank read the tokenizer, chat template and generation config itself: the ranks decode one prompt to the same stops

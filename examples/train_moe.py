@@ -69,7 +69,7 @@ from fmoe.model import Transformer, TransformerConfig
 from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_factor, clip_grad_norm, grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
-from fmoe.train.data import BlendSampler, load_blend
+from fmoe.train.data import BlendSampler, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
 from fmoe.train.run import OutDirInUse, OutDirLock, StopRequests, every_rank, nearest, run_script, set_deterministic, write_config
 from fmoe.train.upcycle import granularity, upcycle_
@@ -393,6 +393,13 @@ def _model_changes(path, model_cfg) -> dict:
     """checkpoint.model_differences of the run at path and model_cfg, the knobs of how a model
     runs (RUN_KNOBS) aside: those that make another model of its weights."""
     return {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
+
+
+def _tokenizer_named(path) -> dict:
+    """{"tokenizer", "separator"} that a prepared token file's index names (kept in config.json, so that a
+    run read where its data is not, a copy on another machine, still knows them), or {}."""
+    index = read_index(path) if path is not None and Path(path).is_file() else None
+    return {k: index[k] for k in ("tokenizer", "separator")} if index and isinstance(index.get("tokenizer"), str) else {}
 
 
 def main(argv: list[str]) -> None:
@@ -801,7 +808,7 @@ def main(argv: list[str]) -> None:
                      memory_plan=plan, energy={"measured": energy.available, "reason": energy.reason},
                      peak_flops=peak,  # mfu's denominator: the device's datasheet dense bf16 FLOP/s (metrics.peak_flops), None if unknown
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size, byte_tokens=corpus.byte_tokens,
-                     data_sources=[dict(name=n, weight=w, path=None if p is None else str(Path(p).resolve()))
+                     data_sources=[dict(name=n, weight=w, path=None if p is None else str(Path(p).resolve()), **_tokenizer_named(p))
                                    for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
 
     def micro_batch_loss(losses, stats, batch, valid, n_micro, part):

@@ -285,6 +285,7 @@ BAD_KNOBS = [
     (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
     (["--tp=2"], "parallel knobs (--tp, --ep, --etp, --cp) for 1 process(es), the rest FSDP2: "),
+    (["--tokenizer=t.json"], "--tokenizer: it encodes --choices' texts, which are not given (a loss on token data needs no tokenizer)"),
     (["--questions=3"], "--questions: counts the questions of --choices, which is not given"),
     (["--separator=-2"], "--separator: expected a token id >= 0, got -2"),
 ]
@@ -409,6 +410,8 @@ def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp
 
 
 BAD_CHOICES = [
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--tokenizer=t.json"],
+     "--tokenizer: it replaces the tokenizer a run on prepared token files names; this run's data are bytes, which need none"),
     ([dict(context="a", choices=["b"], answer=0)], [], "q.jsonl:1: expected 'context' a text and 'choices' a list of at least 2"),
     ([dict(context="a", choices=["b", "c"], answer=2)], [], "q.jsonl:1: answer: expected the index of the right choice, 0..1, got 2"),
     ([dict(context="a", choices=["b", "c"], answer=0), dict(context="", choices=["b", "c"], answer=0)], [], "q.jsonl:2: context: empty"),

@@ -175,8 +175,28 @@ def test_a_run_on_prepared_token_files_exports_the_tokenizer_their_index_names(o
     (tmp_path / "tok" / "words.json").unlink()
     export_hf.main([str(run), str(tmp_path / "gone"), "--model_type=glm4_moe"])
     printed = capsys.readouterr().out
-    assert f"left out: the tokenizer: the tokenizer the data's index names, '{tmp_path / 'tok' / 'words.json'}', is not here; no tokenizer written" in printed
+    assert (f"left out: the tokenizer: the tokenizer the data's index names, '{tmp_path / 'tok' / 'words.json'}', is not here (give its copy "
+            "with --tokenizer=FILE); no tokenizer written") in printed
     assert not (tmp_path / "gone" / "tokenizer.json").exists() and "copied" not in printed, printed
+    # the run copied to another machine: --tokenizer names the tokenizer's copy there; where the data is not there either,
+    # the tokenizer's separator comes from config.json's data_sources, which the loop writes from the index (train_moe)
+    import train_moe
+
+    (tmp_path / "tok2").mkdir()
+    (tmp_path / "tok2" / "my.json").write_text(tok.to_str())
+    config["data_sources"][0].update(train_moe._tokenizer_named(tmp_path / "data.u16"))
+    assert config["data_sources"][0]["separator"] == separator and config["data_sources"][0]["tokenizer"] == str(tmp_path / "tok" / "words.json")
+    (run / "config.json").write_text(json.dumps(config))
+    (tmp_path / "data.u16").rename(tmp_path / "away.u16")
+    export_hf.main([str(run), str(tmp_path / "copied"), "--model_type=glm4_moe", f"--tokenizer={tmp_path / 'tok2' / 'my.json'}"])
+    printed = capsys.readouterr().out
+    assert f"copied the tokenizer the data's index names: {tmp_path / 'tok2' / 'my.json'}" in printed and "left out" not in printed, printed
+    assert (tmp_path / "copied" / "tokenizer.json").read_text() == tok.to_str()
+    assert json.loads((tmp_path / "copied" / "config.json").read_text())["eos_token_id"] == separator
+    with pytest.raises(SystemExit, match="--tokenizer: it replaces the tokenizer a run on prepared token files names; this run's data "
+                                         "are bytes, which need none"):
+        export_hf.main([str(own_run), str(tmp_path / "bytes"), "--model_type=glm4_moe", f"--tokenizer={tmp_path / 'tok2' / 'my.json'}"])
+    (tmp_path / "away.u16").rename(tmp_path / "data.u16")
     # an index from elsewhere that names another file as its tokenizer (a secret of this machine): not copied into the export
     secret = tmp_path / "secret.txt"
     secret.write_text("HF_TOKEN=hf_abc")

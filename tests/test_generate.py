@@ -495,3 +495,26 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
         bad = run(path, *args)
         assert bad.returncode != 0 and re.search(message, bad.stderr), bad.stderr[-2000:]
 
+
+
+def test_tokenizer_replaces_a_token_file_run_s_only(run_dir, tmp_path):
+    """with_tokenizer (--tokenizer): a run on prepared token files takes the named file in
+    place of the one its data's index names (another machine's path); a byte run and an
+    HF folder have none to replace, and a file that is no tokenizer.json is named."""
+    out, _ = run_dir
+    _, run = generate.run_config(out)
+    with pytest.raises(ValueError, match="--tokenizer: it replaces the tokenizer a run on prepared token files names; this run's data are bytes"):
+        generate.with_tokenizer(run, tmp_path / "t.json")
+    with pytest.raises(ValueError, match="--tokenizer: it replaces .* an HF folder reads its own tokenizer.json"):
+        generate.with_tokenizer({}, tmp_path / "t.json")
+    assert generate.with_tokenizer(run, None) is run
+    token_run = dict(run, byte_tokens=False, data_sources=[dict(name="d", weight=1.0, path=str(tmp_path / "gone.u16"),
+                                                                 tokenizer="/elsewhere/tokenizer.json", separator=3)])
+    assert generate.named_tokenizer(token_run) == (None, "the tokenizer the data's index names, '/elsewhere/tokenizer.json', is not "
+                                                         "here (give its copy with --tokenizer=FILE)")
+    (tmp_path / "t.json").write_text('{"model": {"type": "WordLevel", "vocab": {}}}')
+    assert generate.named_tokenizer(generate.with_tokenizer(token_run, tmp_path / "t.json")) == ((tmp_path / "t.json", 3), "")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert generate.named_tokenizer(generate.with_tokenizer(token_run, tmp_path / "bad.json")) == (
+        None, f"--tokenizer: {str(tmp_path / 'bad.json')!r} is not a tokenizer.json")
+    assert generate._said(ValueError("--tokenizer: x")) == "--tokenizer: x"

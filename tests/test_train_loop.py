@@ -652,6 +652,8 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout  # BPE tokens, not bytes
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert [s["name"] for s in config["data_sources"]] == ["code", "docs"] and config["vocab_size"] == 300
+    separator = json.loads((tmp_path / "code.u16.index.json").read_text())["separator"]  # recorded: a copied run still knows them
+    assert all(s["tokenizer"] == str(tmp_path / "tokenizer.json") and s["separator"] == separator for s in config["data_sources"])
     assert all((tmp_path / "run" / f).is_file() for f in ("loss.png", "health.png"))
     assert any((tmp_path / "run" / "tensorboard").iterdir())
 
