@@ -1068,9 +1068,10 @@ def main(argv: list[str]) -> None:
                            if model_cfg.index_topk is not None else None)  # DeepSeek sparse attention's kept keys
             n_avg_block = (sum(metrics.mean_block_keys(b["cu_seqlens"], model_cfg.index_topk_blocks, model_cfg.index_block_size)
                                 for b in host_batches) / n_micro if model_cfg.index_topk_blocks is not None else None)  # block-sparse attention's
-            # zero experts: the routed experts' FLOPs at the step's share of computing slots
-            k_computing = (model_cfg.k * (1 - sum(record["zero_fraction"]) / len(moe_names))
-                           if model_cfg.zero_experts and moe_names else None)
+            # the routed experts' FLOPs at the slots they computed per step token (each MoE layer's counts, averaged): k less a
+            # zero expert's slots, those a capacity dropped, and those of padding (whole documents), which route nothing
+            k_computing = (sum(sum(c[:model_cfg.n_experts]) for c in record["tokens_per_expert"]) / len(moe_names) / step_tokens
+                           if moe_names else None)
             n_avg_compressed = (sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.compress_rate) for b in host_batches) / n_micro
                                 if model_cfg.compress_layers else None)  # heavily compressed attention's entries
             n_avg_csa = {name: sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.csa_rate, topk) for b in host_batches) / n_micro

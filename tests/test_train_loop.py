@@ -745,6 +745,14 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     # the k = 2 slots of the 321 others, none dropped
     assert [sum(c) for c in record["tokens_per_expert"]] == [2 * 321] * 2 and record["dropped_fraction"] == [0.0] * 2
     assert (record["loss_tokens"], record["padding_tokens"]) == (21, 191)  # logged: what the step trained on, and its padding
+    # FLOPs count the routed experts at the slots computed, 2 x 321 of 512 tokens' (they counted k = 2 for the padding too)
+    from fmoe.train.checkpoint import run_config
+    from fmoe.train.metrics import mean_attended_keys, model_flops_per_token
+
+    cfg = run_config(tmp_path / "whole")[0]
+    keys = mean_attended_keys([0, 321, 512])
+    assert record["flops_per_token"] == pytest.approx(model_flops_per_token(cfg, n_avg_keys=keys, k=2 * 321 / 512), rel=1e-12)
+    assert record["flops_per_token"] < model_flops_per_token(cfg, n_avg_keys=keys) - 1
     val = load_blend(str(tmp_path / "sft.u16")).split(20)[1]
     whole = val.validation_batches(512, 4, mtp_depth=1, whole_documents=True)
     assert all(b["cu_seqlens"].tolist() == [0, 321, 512] and int(b["loss_mask"].sum()) == 21 for b in whole)  # 20 response tokens and the separator
