@@ -144,6 +144,14 @@ def _linked_outside(file: Path, source: Path) -> bool:
     return not (target.is_relative_to(folder) or repository is not None and target.is_relative_to(repository / "blobs"))
 
 
+def _copy_into(file: Path, dest: Path) -> None:
+    """shutil.copy2 to `dest`, replacing a link there rather than writing through it into the
+    file it names (an out folder someone else prepared), as save_pretrained's files do."""
+    if dest.is_symlink():
+        dest.unlink()
+    shutil.copy2(file, dest)
+
+
 def copy_folder_files(source: Path, out: Path) -> tuple[list[str], list[str]]:
     """Copy every top-level file of the HF folder `source` but its config and weights
     (tokenizer, generation config, license, ...) into `out`; returns (their names, notes on
@@ -156,7 +164,7 @@ def copy_folder_files(source: Path, out: Path) -> tuple[list[str], list[str]]:
             if _linked_outside(file, source):
                 left.append(f"{file.name}: a link to {str(file.resolve())!r}, outside {str(source)!r}; not copied")
                 continue
-            shutil.copy2(file, out / file.name)
+            _copy_into(file, out / file.name)
             names.append(file.name)
     return names, left
 
@@ -248,7 +256,7 @@ def main(argv: list[str]) -> None:
         notes.extend(not_copied)
         tokenizer_files, note = run_tokenizer_files(run) if source is None else ([], "")
         for file in tokenizer_files:  # the tokenizer.json may have another name: the folder's is tokenizer.json
-            shutil.copy2(file, out / ("tokenizer.json" if file == tokenizer_files[0] else file.name))
+            _copy_into(file, out / ("tokenizer.json" if file == tokenizer_files[0] else file.name))
         if note:
             notes.append(note)
         files = sorted(f for f in out.iterdir() if f.is_file())

@@ -228,8 +228,11 @@ def test_links_out_of_the_hf_folder_are_not_copied_into_the_export(tmp_path):
     (folder / "config.json").write_text("{}")
     out = tmp_path / "out"
     out.mkdir()
+    (out / "LICENSE").symlink_to(tmp_path / "bashrc")  # a link the out folder held: replaced, not written through
+    (tmp_path / "bashrc").write_text("export PATH=$PATH")
     names, notes = export_hf.copy_folder_files(folder, out)
     assert names == ["LICENSE", "NOTICE", "tokenizer.json"] and sorted(f.name for f in out.iterdir()) == names
+    assert (tmp_path / "bashrc").read_text() == "export PATH=$PATH" and not (out / "LICENSE").is_symlink()
     assert notes == [f"tokenizer.model: a link to '{secret}', outside '{folder}'; not copied"]
     assert (out / "tokenizer.json").read_text() == '{"model": {}}'
 
