@@ -60,8 +60,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -73,8 +75,10 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element as dcp_set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -425,11 +429,137 @@ def reading(path) -> Iterator[Path]:
         os.close(fd)
 
 
+# What DCP's .metadata pickle legitimately names (module, name): its metadata classes, the
+# storage records of its file system writer, torch.Size, a tensor's layout (by name) and the
+# checkpoint's path; torch dtypes are taken by name on top (_metadata_global). Nothing else is
+# unpickled: a pickle naming another global (eval, os.system, ...) would run it.
+_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+})
+
+
+class _CodeRefused(ValueError):
+    """A checkpoint file that names code to run when unpickled (a global outside what fmoe's
+    checkpoints hold): it is not read."""
+
+
+def _refused(path, names, entry: Optional[str] = None) -> _CodeRefused:
+    of = f" (its entry {entry})" if entry else ""
+    return _CodeRefused(f"path: {str(path)!r}{of} refuses to unpickle {', '.join(names)}: a checkpoint is read without running its code")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle's Unpickler for DCP's .metadata that finds only _METADATA_GLOBALS and torch
+    dtypes: any other global is a _CodeRefused naming `path` and it (pickle.load, as DCP reads
+    it, imports and calls whatever the file names)."""
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in _METADATA_GLOBALS and not dtype:
+            raise _refused(self.path, [f"{module}.{name}"])
+        return super().find_class(module, name)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader whose read_metadata unpickles with _MetadataUnpickler (DCP's own
+    is a plain pickle.load). A refusal is kept in `refused` as well: DCP's load catches the
+    error and reports another."""
+
+    refused: Optional[_CodeRefused] = None
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:  # **kwargs: DCP passes rank= for a rank's own metadata file
+        rank = kwargs.get("rank")
+        path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            with self.fs.create_stream(path, "rb") as file:
+                metadata = _MetadataUnpickler(file, path).load()
+        except _CodeRefused as err:
+            self.refused = err
+            raise
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"path: {str(path)!r} holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _weights_only_load(source, path, safe=(), entry: Optional[str] = None):
+    """torch.load(source, weights_only=True) with the globals `safe` allowed besides torch's own
+    (tensors, containers, numbers, strings, dtypes): a file naming any other is a _CodeRefused
+    naming `path` (and `entry`, a DCP entry in it) and those globals, before any is run; other
+    failures pass as they are."""
+    with torch.serialization.safe_globals(list(safe)):
+        try:
+            return torch.load(source, weights_only=True)
+        except pickle.UnpicklingError:  # the weights-only unpickler refused something: which globals?
+            if isinstance(source, io.IOBase):
+                source.seek(0)
+            try:
+                names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+            except Exception:  # not even a torch.save file: the refusal as torch said it
+                names = []
+            if names:
+                raise _refused(path, names, entry) from None
+            raise
+
+
+def _extra_globals() -> list:
+    """What rng_state()'s numpy generator state holds besides torch's own: the MT19937 key, an
+    ndarray of uint32 (numpy's _reconstruct, ndarray, dtype and the uint32 dtype's class), under
+    numpy 2's module name and numpy 1's; [] without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    reconstruct = np.ndarray.__reduce__(np.zeros(0, np.uint32))[0]  # numpy's own _reconstruct, wherever this numpy keeps it
+    return [(reconstruct, f"{module}.multiarray._reconstruct") for module in ("numpy._core", "numpy.core")] + [
+        np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's DefaultLoadPlanner whose non-tensor entries (the optimizers' param_groups: numbers,
+    tuples, dtypes) are read with torch.load(weights_only=True); DCP's own runs the pickle
+    (weights_only=False). `reader` names the file of a refused entry; the refusal is kept in
+    `refused` too (DCP's load reports another error)."""
+
+    refused: Optional[_CodeRefused] = None
+
+    def __init__(self, reader: _SafeReader, **kwargs):
+        super().__init__(**kwargs)
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        info = self.reader.storage_data.get(read_item.storage_index)
+        try:
+            loaded = _weights_only_load(value, Path(self.reader.path) / info.relative_path if info is not None else self.reader.path, entry=fqn)
+        except _CodeRefused as err:
+            self.refused = err
+            raise
+        if self.flatten_state_dict:
+            dcp_set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
 def _stored(path: Path) -> Mapping:
     """The checkpoint's entries by key (DCP's metadata: each tensor's size, without its data);
     a .metadata that cannot be read (cut short, damaged) is a ValueError naming path."""
     try:
-        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return _SafeReader(path).read_metadata().state_dict_metadata
+    except _CodeRefused:
+        raise
     except Exception as err:  # an UnpicklingError, EOFError, ... from the pickle DCP wrote
         raise ValueError(f"path: {str(path)!r} could not be read (.metadata: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                          "a damaged or incomplete checkpoint?") from None
@@ -487,10 +617,15 @@ def _dcp_load(state: dict, path: Path, *, no_dist: Optional[bool] = None) -> Non
     raises it (DCP gathers the failures). Tensors read before the failure keep their new
     values: load the model again, from another checkpoint."""
     no_dist = not dist.is_initialized() if no_dist is None else no_dist
+    reader = _SafeReader(path)
+    planner = _SafeLoadPlanner(reader)  # dcp.load's default planner's options
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+            dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointException as err:
+        refused = reader.refused or planner.refused or next((cause for cause, _ in err.failures.values() if isinstance(cause, _CodeRefused)), None)
+        if refused is not None:  # this rank's, or another's (DCP gathers them): a metadata refusal is reported as another error
+            raise refused from None
         rank, (cause, _) = next(iter(err.failures.items()))
         who = "" if no_dist else f"rank {rank}: "  # this process's own read: DCP's rank 0 whatever rank it is
         raise ValueError(f"path: {str(path)!r} could not be read ({who}{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
@@ -562,7 +697,9 @@ def _read_agreed(path, *, extra: bool, holds: ExitStack) -> tuple[Path, Mapping,
             if not extra_file.is_file():
                 raise FileNotFoundError(f"path: {str(found)!r} has no extra_rank0.pt (not a checkpoint of fmoe.train.checkpoint?)")
             try:  # read first: a damaged file stops the load before the model and optimizers are overwritten
-                extra_dict = torch.load(extra_file, weights_only=False)
+                extra_dict = _weights_only_load(extra_file, extra_file, _extra_globals())
+            except _CodeRefused:
+                raise
             except Exception as err:
                 raise ValueError(f"path: {str(found)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
                                  f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?") from None
