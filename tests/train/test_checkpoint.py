@@ -734,3 +734,106 @@ def test_reading_takes_the_newer_checkpoint_where_the_newest_was_pruned_before_t
     with pytest.raises(FileNotFoundError, match=r"step_000002' was removed as it was about to be read \(pruned by its run\?\)"):
         with ckpt.reading(tmp_path / "step_000002"):
             pass
+
+
+class _Planted:
+    """A pickled object whose unpickling creates the file `marker` (open, pickled as io.open, in "w" mode):
+    code in a crafted checkpoint that a load must not run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _saved_with_extra(tmp_path):
+    model, opts = _build()
+    _train(model, opts)
+    extra = {"step": 2, "sampler": {"epoch": 1, "offset": 3}, "rng": ckpt.rng_state()}
+    return model, opts, ckpt.save(tmp_path / "run", 2, model=model, optimizers=opts, extra=extra).wait()
+
+
+def _refused(path, entry=""):
+    return rf"path: '{path}'{entry} refuses to unpickle io.open: a checkpoint is read without running its code"
+
+
+def test_a_metadata_file_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """DCP's .metadata is a pickle, read by DCP with pickle.load: one naming a function to call
+    ran it on every read (load, load_model, ModelTensors, and a .metadata replaced between
+    ModelTensors' listing and its read of a tensor). Only DCP's metadata classes, torch.Size,
+    dtypes, layouts and paths are unpickled: a ValueError names the file and the global."""
+    import pickle
+
+    model, opts, path = _saved_with_extra(tmp_path)
+    marker = tmp_path / "ran"
+    meta = path / ".metadata"
+    genuine = meta.read_bytes()
+    meta.write_bytes(pickle.dumps(_Planted(marker)))
+    fresh, fresh_opts = _build()
+    before = _tensors(fresh, fresh_opts)
+    reads = {"load": lambda: ckpt.load(path, model=fresh, optimizers=fresh_opts), "load_model": lambda: ckpt.load_model(path, model=fresh),
+             "load of the run": lambda: ckpt.load(tmp_path / "run", model=fresh, optimizers=fresh_opts),
+             "ModelTensors": lambda: ckpt.ModelTensors(path)}
+    for what, read in reads.items():
+        with pytest.raises(ValueError, match=_refused(meta)):
+            read()
+        assert not marker.exists(), what
+    _assert_identical(_tensors(fresh, fresh_opts), before)
+    meta.write_bytes(genuine)
+    tensors = ckpt.ModelTensors(path)
+    meta.write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(ValueError, match=_refused(meta)):
+        tensors["head.weight"]
+    assert not marker.exists()
+
+
+def test_an_extra_file_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """extra_rank<r>.pt was read with torch.load(weights_only=False): a crafted one ran its code
+    on load (--resume). It is read with weights_only=True (numpy's generator state allowed): a
+    ValueError names the file and the global, before the model or the optimizers change."""
+    model, opts, path = _saved_with_extra(tmp_path)
+    marker = tmp_path / "ran"
+    extra = path / "extra_rank0.pt"
+    torch.save({"step": 2, "planted": _Planted(marker)}, extra)
+    fresh, fresh_opts = _build()
+    before = _tensors(fresh, fresh_opts)
+    with pytest.raises(ValueError, match=_refused(extra)):
+        ckpt.load(path, model=fresh, optimizers=fresh_opts)
+    assert not marker.exists()
+    _assert_identical(_tensors(fresh, fresh_opts), before)
+    ckpt.load_model(path, model=fresh)  # the weights do not read the extra
+    assert torch.equal(fresh["head"].weight, model["head"].weight)
+
+
+def test_a_non_tensor_entry_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """DCP stores non-tensor entries (the optimizers' param_groups knobs: lr, betas, ...) as
+    torch.save'd bytes in its .distcp files and its planner read them with
+    torch.load(weights_only=False): an entry pointed at a crafted pickle ran its code on load
+    (with a genuine .metadata and extra). They are read with weights_only=True: a ValueError
+    names the file, the entry and the global."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    model, opts, path = _saved_with_extra(tmp_path)
+    marker = tmp_path / "ran"
+    meta = pickle.loads((path / ".metadata").read_bytes())  # the genuine one, written by this test
+    key = next(k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata) and k.startswith("optim.param_groups."))
+    index = next(i for i in meta.storage_data if i.fqn == key)
+    info = meta.storage_data[index]
+    shard = path / info.relative_path
+    planted = io.BytesIO()
+    torch.save(_Planted(marker), planted)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(planted.getvalue())
+    meta.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(planted.getvalue()))
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    fresh, fresh_opts = _build()
+    with pytest.raises(ValueError, match=_refused(shard, rf" \(its entry {key}\)")):
+        ckpt.load(path, model=fresh, optimizers=fresh_opts)
+    assert not marker.exists()
+    ckpt.load_model(path, model=fresh)  # the weights alone read no such entry
+    assert torch.equal(fresh["head"].weight, model["head"].weight)
