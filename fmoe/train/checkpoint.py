@@ -28,8 +28,19 @@ model state and keep their dtype.
 Completeness: a checkpoint is written to `step_000123.tmp/` and renamed to `step_000123/`
 only after every rank's data and DCP's metadata are on disk: at the end of a sync save, and
 for async_=True when the caller waits on the returned handle. A run killed midway, or one
-that exits without waiting, leaves only a `.tmp` directory, which latest() ignores. Extra
-files are loaded with weights_only=False: load only trusted checkpoints.
+that exits without waiting, leaves only a `.tmp` directory, which latest() ignores.
+
+Reading runs none of a checkpoint's code (load, load_model, load_run, ModelTensors; every
+file a pickle): DCP's `.metadata` is unpickled with an allow-list of what DCP's metadata
+holds (its metadata classes and storage records, torch.Size, dtypes, the tensor layout, a
+path), where DCP's own reader runs pickle.load; the entries DCP stores as pickled bytes (the
+optimizers' param_groups knobs) and the extra files are read with
+torch.load(weights_only=True), with numpy's generator state allowed in the extras (DCP and
+earlier fmoe used weights_only=False). A file that names anything else (a function to call on
+unpickling) is a ValueError naming the file, its entry, and what it names, before any is run.
+Sizes are not bounded: a crafted checkpoint may claim tensors, files or a model (its run's
+config.json) as large as it likes, and reading it allocates or reads that much; read a
+checkpoint of unknown origin under memory limits.
 
 Async saves: the caller keeps the handle; nothing here tracks saves in flight. At most one
 async save is in flight at a time: pass the last handle as `previous=` (save waits for it
