@@ -442,8 +442,8 @@ def reading(path) -> Iterator[Path]:
 
 # What DCP's .metadata pickle legitimately names (module, name): its metadata classes, the
 # storage records of its file system writer, torch.Size, a tensor's layout (by name) and the
-# checkpoint's path; torch dtypes are taken by name on top (_metadata_global). Nothing else is
-# unpickled: a pickle naming another global (eval, os.system, ...) would run it.
+# checkpoint's path; torch dtypes are taken by name on top (_MetadataUnpickler.find_class).
+# Nothing else is unpickled: a pickle naming another global (eval, os.system, ...) would run it.
 _METADATA_GLOBALS = frozenset({
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -566,7 +566,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 def _stored(path: Path) -> Mapping:
     """The checkpoint's entries by key (DCP's metadata: each tensor's size, without its data);
-    a .metadata that cannot be read (cut short, damaged) is a ValueError naming path."""
+    a .metadata that cannot be read (cut short, damaged), or that names code to run when
+    unpickled (refused, not run), is a ValueError naming path."""
     try:
         return _SafeReader(path).read_metadata().state_dict_metadata
     except _CodeRefused:
