@@ -5250,7 +5250,16 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """HF key -> the safetensors file holding it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, RecursionError, KeyError, TypeError) as err:
+            raise ValueError(f"path: {str(index)!r} is not a safetensors index (a JSON object with its weight_map): "
+                             f"{type(err).__name__}: {err}") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"path: {str(index)!r}: weight_map is a {type(weight_map).__name__}, expected an object of names to files")
+        outside = sorted({f for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f or f in (".", "..")}, key=str)
+        if outside:  # a shard is a file of the folder: a path would read weights from elsewhere on this machine
+            raise ValueError(f"path: {str(index)!r} names weight files that are not files of the folder: {outside[:3]}")
         return {k: path / f for k, f in weight_map.items()}
     single = path / "model.safetensors"
     if not single.is_file():

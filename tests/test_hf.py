@@ -5681,3 +5681,22 @@ def test_config_dtype_names_a_bad_dtype_field():
                          ({"dtype": 5}, "dtype = 5"), ({"dtype": "int8"}, "dtype = 'int8'")):
         with pytest.raises(ValueError, match=f"^config.json: {re.escape(said)} is not supported"):
             hf.config_dtype(config)
+
+
+def test_a_safetensors_index_names_files_of_its_folder_only(tmp_path):
+    """A weight_map that names a file elsewhere (../other/model.safetensors, an absolute
+    path) read weights from anywhere on this machine: refused by name, as is an index that
+    is no JSON object of a weight_map (a raw RecursionError or KeyError before)."""
+    from fmoe.hf import _weight_files
+
+    index = tmp_path / "model.safetensors.index.json"
+    for bad in ("../other/model.safetensors", "/tmp/x.safetensors", "..", 3):
+        index.write_text(json.dumps({"weight_map": {"a.weight": "model-1.safetensors", "b.weight": bad}}))
+        with pytest.raises(ValueError, match=r"names weight files that are not files of the folder: \[" + re.escape(repr(bad))):
+            _weight_files(tmp_path)
+    for text, said in (("[" * 100000, "RecursionError"), ('{"metadata": {}}', "KeyError"), ("[1]", "TypeError")):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=f"is not a safetensors index .*: {said}"):
+            _weight_files(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"a.weight": "model-1.safetensors"}}))
+    assert _weight_files(tmp_path) == {"a.weight": tmp_path / "model-1.safetensors"}
