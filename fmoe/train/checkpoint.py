@@ -103,6 +103,7 @@ from fmoe.model import Transformer, TransformerConfig
 from fmoe.train.run import NON_FINITE, raise_together
 
 _NAME = re.compile(r"step_(\d+)")
+_BLOCK = re.compile(r"model\.blocks\.(\d+)\.")  # a trunk block's entries in the checkpoint
 
 
 def _rank() -> int:
@@ -622,6 +623,21 @@ def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, t
                      "build the model with the saved one's knobs")
 
 
+def _check_config_sizes(path: Path, stored: Mapping, cfg: TransformerConfig) -> None:
+    """A ValueError where cfg's vocab_size, hidden or n_layers is not the checkpoint's (its
+    embedding's shape, its blocks' count), read from the metadata before any model is built
+    (even on the meta device, a config.json claiming 10^8 layers took minutes and gigabytes).
+    A checkpoint without an embedding (another model) is left to _check_model_shapes."""
+    embed = stored.get("model.embed")
+    if isinstance(embed, TensorStorageMetadata) and tuple(embed.size) != (cfg.vocab_size, cfg.hidden):
+        raise ValueError(f"path: the model of {str(path)!r} differs from its config: the embedding is saved as {list(embed.size)}, "
+                         f"the config says vocab_size {cfg.vocab_size} and hidden {cfg.hidden}")
+    blocks = {int(m.group(1)) for key in stored if (m := _BLOCK.match(key))}
+    if embed is not None and blocks and len(blocks) != cfg.n_layers:
+        raise ValueError(f"path: the model of {str(path)!r} differs from its config: {len(blocks)} blocks are saved, the config "
+                         f"says n_layers {cfg.n_layers}")
+
+
 def _dcp_load(state: dict, path: Path, *, no_dist: Optional[bool] = None) -> None:
     """dcp.load of `state` (in place) from checkpoint `path`. A file DCP cannot read (cut
     short, missing) is a ValueError naming path and the first failure: DCP's own
@@ -851,8 +867,15 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     "out/train_moe/step_000250". Under torchrun every rank calls it (DCP's collectives) and
     gets the whole model."""
     cfg, run = run_config(path, impl=impl)
-    model = Transformer(cfg)
-    return model, {**run, "checkpoint": str(load_model(path, model=model))}
+    with reading(path) as found:  # the config against the saved shapes before a model is built: a config.json claiming a
+        _check_config_sizes(found, _stored(found), cfg)  # larger model than its weights allocated all of it first
+        with torch.device("meta"):
+            shell = Transformer(cfg)
+        whole = shell.state_dict()
+        _check_model_shapes(found, _stored(found), whole, set(whole), cfg)
+        del shell, whole
+        model = Transformer(cfg)
+        return model, {**run, "checkpoint": str(load_model(found, model=model))}
 
 
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:

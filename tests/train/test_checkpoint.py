@@ -837,3 +837,34 @@ def test_a_non_tensor_entry_that_would_run_code_is_refused_without_running_it(tm
     assert not marker.exists()
     ckpt.load_model(path, model=fresh)  # the weights alone read no such entry
     assert torch.equal(fresh["head"].weight, model["head"].weight)
+
+
+def test_a_run_config_claiming_a_larger_model_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """A run's config.json that says hidden 10^9, 10^8 layers or wider experts than its
+    checkpoint holds: load_run built (allocated and initialised) that model before comparing
+    it with the checkpoint; the config is now checked against the saved shapes first."""
+    import json
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.run import write_config
+
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1, head_dim=8)
+    write_config(tmp_path, {"model": dataclasses.asdict(cfg)}, vocab_size=32)
+    ckpt.save(tmp_path, 1, model=Transformer(cfg), optimizers=[])
+    config = json.loads((tmp_path / "config.json").read_text())
+    built = []
+    class Counted(Transformer):
+        def __init__(self, c):
+            built.append((c, torch.get_default_device().type))
+            super().__init__(c)
+
+    monkeypatch.setattr(ckpt, "Transformer", Counted)
+    for knob, value, said in (("hidden", 10**9, r"the embedding is saved as \[32, 16\], the config says vocab_size 32 and hidden 1000000000"),
+                              ("n_layers", 10**4, "2 blocks are saved, the config says n_layers 10000"),
+                              ("ffn_expert", 10**9, r"blocks.1.mlp.experts.w_gate \(saved \[4, 16, 8\], here \[4, 16, 1000000000\]\)")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "config": {**config["config"], "model": {**config["config"]["model"], knob: value}}}))
+        with pytest.raises(ValueError, match=said):
+            ckpt.load_run(tmp_path)
+    assert [(c.ffn_expert, device) for c, device in built] == [(10**9, "meta")]  # the wider experts' shapes, on the meta device only
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ckpt.load_run(tmp_path)[0].cfg.hidden == 16
