@@ -5300,6 +5300,10 @@ def _config_dict(file: Path) -> dict:
     return fields
 
 
+# config.json fields that are positive ints wherever a family has them (checked before the family's mapping reads them)
+_POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
 def read_config(path) -> tuple[dict, TransformerConfig]:
     """(config.json as a dict, the TransformerConfig it maps to); ValueError naming the
     field for an unknown model_type or an option fmoe does not build."""
@@ -5311,7 +5315,16 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; expected one of {', '.join(FAMILIES)}")
-    return hf, TransformerConfig(**FAMILIES[model_type].kwargs(hf))
+    for field in _POSITIVE_FIELDS:  # the sizes every family divides or multiplies by: a str or 0 failed inside the mapping
+        value = hf.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config.json: {field} = {value!r}, expected a positive int")
+    try:
+        kwargs = FAMILIES[model_type].kwargs(hf)
+    except (TypeError, ZeroDivisionError) as err:  # another field of the wrong kind, or 0 where a size is divided by
+        raise ValueError(f"config.json: a field of {str(file)!r} has a value its {model_type} config cannot take ({type(err).__name__}: "
+                         f"{err})") from None
+    return hf, TransformerConfig(**kwargs)
 
 
 def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[str]:

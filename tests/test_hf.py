@@ -5700,3 +5700,16 @@ def test_a_safetensors_index_names_files_of_its_folder_only(tmp_path):
             _weight_files(tmp_path)
     index.write_text(json.dumps({"weight_map": {"a.weight": "model-1.safetensors"}}))
     assert _weight_files(tmp_path) == {"a.weight": tmp_path / "model-1.safetensors"}
+
+
+def test_a_size_field_of_the_wrong_kind_is_named(tmp_path):
+    """config.json sizes that are strings or 0 raised a TypeError or ZeroDivisionError from
+    inside a family's mapping: a ValueError names the field."""
+    base = {"model_type": "qwen3_moe", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 64, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
+    for field, value in (("hidden_size", "32"), ("num_attention_heads", 0), ("num_hidden_layers", True), ("vocab_size", 1.5)):
+        (tmp_path / "config.json").write_text(json.dumps(dict(base, **{field: value})))
+        with pytest.raises(ValueError, match=f"^config.json: {field} = {re.escape(repr(value))}, expected a positive int$"):
+            hf.read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    assert hf.read_config(tmp_path)[1].hidden == 32
