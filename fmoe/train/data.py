@@ -121,6 +121,10 @@ _INDEX_FIELDS = ("documents", "tokens", "dtype", "separator", "vocab_size")
 _BLEND_KEYS = ("name", "path", "weight", "separator", "dtype", "vocab_size")
 # tokens scanned per chunk when splitting a token file at its separators
 _SCAN_CHUNK = 1 << 24
+# the leading tokens of a uint16 file without an index checked for the pattern of uint32 ids (_check_not_wider_ids),
+# and the fewest it takes
+_WIDE_SAMPLE = 1 << 20
+_WIDE_MIN_TOKENS = 256
 # directory names left out of the stdlib corpus unless include_tests
 _TEST_DIRS = {"test", "tests", "idle_test"}
 # files of records, which a text directory does not read as bytes (fmoe.train.prepare reads their fields)
@@ -525,7 +529,9 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
     When the file has a sidecar index (`<path>.index.json`, see fmoe.train.prepare), the
     arguments left None come from it; a given value that differs from the index is
     refused (except a larger vocab_size), and so is a file whose token or document count
-    is not the index's (a stale index).
+    is not the index's (a stale index). Without an index, a file read as uint16 whose first
+    tokens hold 0 at every other place and ids between is refused as one of uint32 ids
+    (_check_not_wider_ids: the ids fit any vocab_size, so nothing else would tell).
     """
     path = _existing(path)
     if not path.is_file():
@@ -573,6 +579,8 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
         raise ValueError(f"path: {str(path)!r} holds {size // np_dtype.itemsize} tokens, its index says {index['tokens']} "
                          "(a stale index: prepare the file again)")
     data = np.memmap(path, dtype=np_dtype, mode="r")
+    if index is None and dtype == "uint16":
+        _check_not_wider_ids(data, path)
     dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)), vocab_from=vocab_from)
     if index is not None and index.get("loss_mask") is not None:
         dataset.label_mask = _read_label_mask(path.parent / index["loss_mask"], len(data), repr(str(index_path(path))))
@@ -580,6 +588,30 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
         raise ValueError(f"path: {str(path)!r} holds {len(dataset)} documents, its index says {index['documents']} "
                          "(a stale index: prepare the file again)")
     return dataset
+
+
+def _check_not_wider_ids(data: np.ndarray, path: Path) -> None:
+    """Refuse a uint16 read of what looks like a file of uint32 ids (dtype: a wrong
+    --data_dtype, or a .u16 name): in its first _WIDE_SAMPLE tokens (at least
+    _WIDE_MIN_TOKENS), every id at one parity (odd positions: the high halves of
+    little-endian uint32 ids below 65536; even ones on a big-endian machine) is 0 while
+    most ids at the other parity are not. Ids below 65536 pass the vocab_size check, so
+    nothing else would catch it: every other id would read as 0. A uint16 file alternating
+    so strictly, 0 at every other place for thousands of tokens, would hold documents of
+    one token (separator 0) or token 0 between all others; one with zeros anywhere else,
+    however many, passes."""
+    n = min(len(data), _WIDE_SAMPLE)
+    if n < _WIDE_MIN_TOKENS:
+        return
+    sample = np.asarray(data[:n - n % 2]).reshape(-1, 2)
+    zeros = (sample == 0).sum(axis=0)  # per parity: even positions, odd positions
+    rows = len(sample)
+    for zero, other, place in ((1, 0, "odd"), (0, 1, "even")):
+        if zeros[zero] == rows and rows - zeros[other] > rows // 2:
+            raise ValueError(f"dtype: {str(path)!r} read as uint16 holds 0 at every {place} position of its first {2 * rows} tokens "
+                             f"and ids at the {'even' if place == 'odd' else 'odd'} ones ({rows - int(zeros[other])} of "
+                             f"{rows} non-zero): it looks like a file of uint32 ids, each read as an id and a 0; pass "
+                             "dtype='uint32' (--data_dtype=uint32, or name it .u32)")
 
 
 def _read_label_mask(path: Path, n_tokens: int, where: str) -> np.ndarray:

@@ -672,3 +672,33 @@ def test_an_index_dtype_is_named_as_the_index_s(tmp_path):
         load_token_file(path, vocab_size=3)
     (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, dtype="uint16")))
     assert load_token_file(path).document(0).tolist() == [5, 1]
+
+
+def test_a_uint32_file_read_as_uint16_is_refused_and_a_uint16_file_of_zeros_is_not(tmp_path):
+    """uint32 ids below 65536 read as uint16 are an id and a 0 each: they passed every check
+    (the ids fit vocab_size) and every other token trained on was 0. The pattern, 0 at every
+    other place and ids between, is refused; uint16 files with many zeros (separator 0,
+    short and empty documents, token 0 common) are read as before."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50000, 10000).astype(np.uint32)
+    ids[::100] = 50256
+    for name, order, place in (("ids.bin", "<u4", "odd"), ("big_endian.bin", ">u4", "even"), ("named.u16", "<u4", "odd")):
+        ids.astype(order).tofile(tmp_path / name)
+        with pytest.raises(ValueError, match=rf"^dtype: '.*{name}' read as uint16 holds 0 at every {place} position of its first "
+                                             r"20000 tokens and ids at the .* ones \(10000 of 10000 non-zero\): it looks like a file "
+                                             r"of uint32 ids, each read as an id and a 0; pass dtype='uint32'"):
+            load_token_file(tmp_path / name, separator=50256, vocab_size=50304, dtype=None if name.endswith(".u16") else "uint16")
+    assert len(load_token_file(tmp_path / "ids.bin", separator=50256, vocab_size=50304, dtype="uint32")) == 101  # a separator first, then one every 100
+    np.where(ids == 50256, 0, ids).tofile(tmp_path / "sep0.bin")  # separator 0: the uint32 zeros give even zeros too
+    with pytest.raises(ValueError, match="dtype: .*sep0.bin' read as uint16 holds 0 at every odd position"):
+        load_token_file(tmp_path / "sep0.bin", separator=0, vocab_size=50304, dtype="uint16")
+    # genuine uint16 files of many zeros
+    short = np.concatenate([np.append(rng.integers(0, 3, rng.integers(0, 4)), 0) for _ in range(3000)]).astype(np.uint16)
+    zeros = np.zeros(5000, dtype=np.uint16)
+    zeros[::10] = 7  # mostly separators, ids at even places only
+    common = np.where(rng.random(20000) < 0.45, 0, rng.integers(1, 50000, 20000)).astype(np.uint16)
+    for name, tokens in (("short.u16", short), ("zeros.u16", zeros), ("common.u16", common),
+                         ("small.u16", np.tile(np.array([5, 0], dtype=np.uint16), 100))):  # 200 tokens: too few to tell
+        tokens.tofile(tmp_path / name)
+        ds = load_token_file(tmp_path / name, separator=0, vocab_size=50304)
+        assert ds.n_tokens == len(tokens), name
