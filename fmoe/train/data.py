@@ -360,7 +360,8 @@ def _walk_files(root: Path, keep_file: Callable[[str], bool], enter_dir: Callabl
     holds or another link reached first (in sorted order), adds nothing) whose name
     keep_file keeps, in the directories whose names enter_dir lets the walk into (never
     walked at all: the stdlib's site-packages, a corpus' .git), as POSIX paths relative to
-    root."""
+    root. With `follow`, each file once too: a symlink to a file the walk holds as a file
+    (not a link), or that another link first in sorted order already gave, adds nothing."""
 
     def walk(links: bool):
         for top, dirs, files in os.walk(root, followlinks=links):
@@ -368,6 +369,8 @@ def _walk_files(root: Path, keep_file: Callable[[str], bool], enter_dir: Callabl
             yield top, dirs, files
 
     rels, below_link = [], set()  # below_link: walked paths through a followed link
+    file_links = {}  # with follow: rel -> the real path of a kept name that is a symlink to a file
+    files_held = set()  # with follow: the real paths of the kept names that are files, not links
     seen = {os.path.realpath(top) for top, _, _ in walk(False)} if follow else set()  # the tree's own directories
     for top, dirs, files in walk(follow):
         if follow:
@@ -383,8 +386,21 @@ def _walk_files(root: Path, keep_file: Callable[[str], bool], enter_dir: Callabl
                 kept.append(d)
             dirs[:] = kept
         rel_top = Path(top).relative_to(root)
-        rels += [(rel_top / f).as_posix() for f in files if keep_file(f) and os.path.isfile(os.path.join(top, f))]
-    return rels
+        kept = [f for f in files if keep_file(f) and os.path.isfile(os.path.join(top, f))]
+        if follow:
+            real_top = os.path.realpath(top)
+            for f in kept:
+                if os.path.islink(os.path.join(top, f)):
+                    file_links[(rel_top / f).as_posix()] = os.path.realpath(os.path.join(top, f))
+                else:
+                    files_held.add(os.path.join(real_top, f))
+        rels += [(rel_top / f).as_posix() for f in kept]
+    dropped = set()
+    for rel in sorted(file_links):  # each file once: the file itself, else the first link to it
+        if file_links[rel] in files_held:
+            dropped.add(rel)
+        files_held.add(file_links[rel])
+    return [rel for rel in rels if rel not in dropped]
 
 
 def _existing(path: Union[str, os.PathLike]) -> Path:
@@ -396,9 +412,10 @@ def _existing(path: Union[str, os.PathLike]) -> Path:
 
 def list_text_files(root: Union[str, os.PathLike]) -> list[str]:
     """The files of a text corpus directory: every regular file below `root` (recursively,
-    into symlinked directories too, each directory once; files and directories whose name
-    starts with '.' are skipped, and so are __pycache__ directories), as sorted POSIX paths
-    relative to root."""
+    into symlinked directories too, each directory once; each file once too: a symlink to a
+    file the tree holds, or to one an earlier link (in sorted order) gave, is skipped; files
+    and directories whose name starts with '.' are skipped, and so are __pycache__
+    directories), as sorted POSIX paths relative to root."""
     root = Path(root)
     return sorted(_walk_files(root, lambda name: not name.startswith("."),
                               lambda name: not name.startswith(".") and name not in _CACHE_DIRS, follow=True))

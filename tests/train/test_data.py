@@ -313,13 +313,15 @@ def test_text_dir(tmp_path):
     (tmp_path / ".git" / "objects").mkdir(parents=True)  # a hidden directory: never entered
     (tmp_path / ".git" / "objects" / "pack").write_text("skip me")
     (tmp_path / "dir.txt").mkdir()  # a directory is no document, whatever its name
-    (tmp_path / "sub" / "link.txt").symlink_to(tmp_path / "b.txt")  # a link to a file is one
+    (tmp_path / "sub" / "link.txt").symlink_to(tmp_path / "b.txt")  # a link to a file the tree holds: b.txt is read once
     (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # the tree's own directory: read once, as itself
     (tmp_path / "sub" / "up").symlink_to(tmp_path, target_is_directory=True)  # a link back up: no loop
     (tmp_path / "sub" / "d.md").write_text("fourth")
     with pytest.warns(UserWarning, match=r"1 file\(s\) under .* are not UTF-8 text \(a NUL byte or invalid UTF-8\) and are left out: sub/c.md$"):
         ds = load_text_dir(tmp_path)
-    assert ds.names == ["a.txt", "b.txt", "sub/d.md", "sub/link.txt"] and ds.vocab_size == BYTE_VOCAB_SIZE
+    # sub/link.txt was a second document of b.txt's bytes (which could fall in the other side of the split:
+    # validation text trained on); a file is read once, under its own name
+    assert ds.names == ["a.txt", "b.txt", "sub/d.md"] and ds.vocab_size == BYTE_VOCAB_SIZE
     assert decode_text(ds.document(0)) == "first ü"
     assert ds.document(2).tolist() == [*b"fourth", EOS]
     with pytest.warns(UserWarning, match="sub/c.md"):
@@ -374,6 +376,32 @@ def test_a_corpus_of_linked_directories_is_read_through_them(tmp_path):
         (corpus / name).symlink_to(tmp_path / "store" / target, target_is_directory=True)
     assert list_text_files(corpus) == ["a_web/w.txt", "b_code/c.py", "c_deep/d.txt"]  # deep claimed by its own link, met first
     assert load_text_dir(corpus).names == list_text_files(corpus)
+
+
+def test_a_file_linked_inside_a_corpus_is_read_once(tmp_path):
+    """A symlink to a file was a document of its own: the same bytes read as often as they
+    were linked (and the copies split apart, one in validation, one in training). A link to
+    a file the tree holds adds nothing; links to a file outside it give it once, under the
+    first link's name in sorted order; a link to a file the walk leaves out (a hidden one)
+    is read, as the file's only name."""
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "o.txt").write_text("outside text")
+    corpus = tmp_path / "corpus"
+    (corpus / "v2").mkdir(parents=True)
+    (corpus / "v2" / "a.txt").write_text("alpha")
+    (corpus / "v2" / "b.txt").write_text("beta")
+    (corpus / ".notes").write_text("hidden notes")
+    (corpus / "latest").symlink_to("v2", target_is_directory=True)  # a directory the tree holds: read once already
+    (corpus / "a_again.txt").symlink_to("v2/a.txt")
+    (corpus / "z_link.txt").symlink_to(corpus / "v2" / "a.txt")
+    (corpus / "v2" / "b_link.txt").symlink_to("b.txt")
+    (corpus / "o2.txt").symlink_to(tmp_path / "outside" / "o.txt")
+    (corpus / "o1.txt").symlink_to(tmp_path / "outside" / "o.txt")
+    (corpus / "notes.txt").symlink_to(".notes")
+    assert list_text_files(corpus) == ["notes.txt", "o1.txt", "v2/a.txt", "v2/b.txt"]
+    ds = load_text_dir(corpus)
+    assert ds.names == list_text_files(corpus)
+    assert sorted(decode_text(ds.document(i)) for i in range(len(ds))) == ["alpha", "beta", "hidden notes", "outside text"]
 
 
 @pytest.mark.parametrize("dtype,suffix", [("uint16", ".u16"), ("uint32", ".uint32")])
