@@ -912,7 +912,9 @@ def _json_entries(path: Path) -> list[dict]:
 
 
 def _short_entries(spec: str) -> list[dict]:
-    """The raw entries of "0.7:path/a,0.3:path/b" (the first colon of each entry splits)."""
+    """The raw entries of "0.7:path/a,0.3:path/b" (the first colon of each entry splits).
+    spec is no existing path: an entry whose part before the colon is not a number is
+    refused as that (spec is a missing path, or its weight is no number), not as a weight."""
     entries = []
     for item in spec.split(","):
         weight, colon, path = item.partition(":")
@@ -921,8 +923,10 @@ def _short_entries(spec: str) -> list[dict]:
                              "e.g. '0.7:data/code.u32,0.3:data/web.u32'")
         try:
             weight = float(weight)
-        except ValueError:
-            weight = weight.strip()  # refused, with the source's name, by _checked_entry
+        except ValueError:  # 'data/no:there.u16', 'C:\\x.u16': a path with a colon more likely than a weight
+            raise ValueError(f"data: {spec!r} does not exist as a path, and is not a blend of WEIGHT:PATH entries: "
+                             f"{weight.strip()!r} (before the ':' of {item.strip()!r}) is not a number; e.g. "
+                             "'0.7:data/code.u32,0.3:data/web.u32'") from None
         entries.append({"path": path.strip(), "weight": weight})
     return entries
 

@@ -1,6 +1,7 @@
 """fmoe.train.data blends: specs, sources (.npy, indexed token files), the greedy BlendSampler."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -321,14 +322,30 @@ def test_bad_weights(tmp_path):
         parse_blend("0:path/to/code.bin,1:b")
     with pytest.raises(ValueError, match=r"data: source 'b' \(b\): weight must be > 0, got -1"):
         parse_blend("1:a,-1:b")
-    with pytest.raises(ValueError, match="data: source 'a' .*weight must be a finite number, got 'heavy'"):
-        parse_blend("heavy:a")
+    with pytest.raises(ValueError, match=r"data: 'heavy:a' does not exist as a path, and is not a blend of WEIGHT:PATH entries: "
+                                         r"'heavy' \(before the ':' of 'heavy:a'\) is not a number"):
+        parse_blend("heavy:a")  # a missing path with a colon, or a weight that is no number: either way said as both
     with pytest.raises(ValueError, match="data: source 'a' .*weight must be a finite number, got inf"):
         parse_blend("inf:a")
     spec = tmp_path / "w.json"
     spec.write_text(json.dumps([{"name": "code", "path": "c.bin", "weight": "0.5"}]))
     with pytest.raises(ValueError, match=r"data: source 'code' \(.*c.bin\): weight must be a finite number, got '0.5'"):
         parse_blend(spec)
+
+
+def test_a_missing_path_with_a_colon_is_named_a_missing_path(tmp_path, monkeypatch):
+    """A path that holds a ':' and does not exist (a typo, a Windows drive) was read as
+    WEIGHT:PATH and refused as a bad weight of a source named after its tail: "source
+    'there.u16' (there.u16): weight must be a finite number, got 'blend/no'"."""
+    monkeypatch.chdir(tmp_path)
+    for spec, weight, item in (("blend/no:there.u16", "blend/no", "blend/no:there.u16"), ("C:\\data\\x.u16", "C", "C:\\data\\x.u16"),
+                               ("1:a.u16,70%:b.u16", "70%", "70%:b.u16")):
+        with pytest.raises(ValueError, match=rf"^data: {re.escape(repr(spec))} does not exist as a path, and is not a blend of "
+                                             rf"WEIGHT:PATH entries: {re.escape(repr(weight))} \(before the ':' of "
+                                             rf"{re.escape(repr(item))}\) is not a number; e.g. '0.7:data/code.u32,0.3:data/web.u32'$"):
+            load_blend(spec)
+    _write_tokens(tmp_path / "blend" / "no:there.u16", [1, 0, 2])  # one that exists is one source
+    assert load_blend("blend/no:there.u16", separator=0, vocab_size=4).names == ["no:there.u16"]
 
 
 def test_bad_specs(tmp_path):
