@@ -480,7 +480,7 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
     if not index.is_file():
         return None
     try:
-        fields = json.loads(index.read_text(encoding="utf-8"))
+        fields = json.loads(index.read_text(encoding="utf-8-sig"))  # a BOM (a Windows editor's) is no error
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"path: the index {str(index)!r} is not valid JSON ({err})") from err
     missing = [k for k in _INDEX_FIELDS if not isinstance(fields, dict) or k not in fields]
@@ -647,17 +647,38 @@ def _read_label_mask(path: Path, n_tokens: int, where: str) -> np.ndarray:
     return mask
 
 
+_NPY_MAGIC = b"\x93NUMPY"  # how np.save's files start
+_ZIP_MAGIC = b"PK\x03\x04"  # and np.savez's (zip archives)
+
+
+def _refuse_npz(path: Path) -> None:
+    """A ValueError for a numpy archive (np.savez / np.savez_compressed: a .npz name or a
+    zip file), which no loader reads."""
+    with open(path, "rb") as f:
+        zipped = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    if zipped or path.suffix.lower() == ".npz":
+        raise ValueError(f"path: {str(path)!r} is a numpy archive (np.savez), which is not read: save the one array of token "
+                         "ids with np.save (a .npy file)")
+
+
 def load_npy(path: Union[str, os.PathLike], *, separator: int, vocab_size: int,
              dtype: Optional[str] = None) -> TokenDataset:
     """A .npy file holding a 1-D integer array of token ids, memory-mapped (np.load with
-    mmap_mode="r"), split into documents at `separator` like load_token_file (ids must be
-    in 0..vocab_size-1). `dtype`, when given, must be the array's (e.g. "int32")."""
+    mmap_mode="r", never unpickling), split into documents at `separator` like
+    load_token_file (ids must be in 0..vocab_size-1). `dtype`, when given, must be the
+    array's (e.g. "int32"). A numpy archive (np.savez), or a file that is no np.save array,
+    is a ValueError saying so."""
     path = _existing(path)
     if not path.is_file():
         raise ValueError(f"path: {str(path)!r} is not a regular file")
+    _refuse_npz(path)
+    with open(path, "rb") as f:
+        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:  # numpy's message offered to unpickle it (allow_pickle)
+            raise ValueError(f"path: {str(path)!r} is not a .npy array (it does not start as np.save's files do): save the "
+                             "token ids with np.save")
     try:
         data = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as err:
+    except (ValueError, EOFError) as err:  # a header cut short, a Python object array
         raise ValueError(f"path: {str(path)!r} is not a .npy array of token ids ({err})") from err
     if not isinstance(data, np.ndarray) or data.ndim != 1 or data.dtype.kind not in "iu":
         what = f"a {data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
@@ -672,7 +693,7 @@ def load_npy(path: Union[str, os.PathLike], *, separator: int, vocab_size: int,
 def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Optional[int] = None,
                 vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> TokenDataset:
     """load_stdlib() when path is None, load_text_dir(path) for a directory, load_npy for a
-    .npy file, otherwise load_token_file(path, separator=, vocab_size=, dtype=) (separator
+    .npy file (a .npz archive is a ValueError), otherwise load_token_file(path, separator=, vocab_size=, dtype=) (separator
     and vocab_size then required, from the arguments or the file's index). A directory is
     its files' bytes (vocab_size BYTE_VOCAB_SIZE, EOS after each): separator, vocab_size or
     dtype given with one is a ValueError (they were ignored)."""
@@ -685,6 +706,8 @@ def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Option
             raise ValueError(f"{', '.join(given)}: {str(path)!r} is a directory, read as the bytes of its text files "
                              f"(vocab_size {BYTE_VOCAB_SIZE}, the EOS {EOS} after each file): {given} apply to token files only")
         return load_text_dir(path)
+    if Path(path).suffix.lower() == ".npz":
+        _refuse_npz(Path(path))
     if Path(path).suffix.lower() == ".npy":
         if separator is None or vocab_size is None:
             raise ValueError(f"separator, vocab_size: required for the .npy file {str(path)!r}")
@@ -893,7 +916,7 @@ def _json_entries(path: Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"data: blend file {str(path)!r} does not exist")
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
+        entries = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (a Windows editor's) is no error
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"data: blend file {str(path)!r} is not valid JSON ({err})") from err
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):

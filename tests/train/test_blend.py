@@ -264,9 +264,45 @@ def test_npy_errors(tmp_path):
     np.save(path, np.zeros(0, dtype=np.int32))
     with pytest.raises(ValueError, match="t.npy.* is empty"):
         load_npy(path, separator=1, vocab_size=8)
-    path.write_bytes(b"not an array")
+    path.write_bytes(b"\x93NUMPY\x01\x00")  # a header cut short
     with pytest.raises(ValueError, match="is not a .npy array of token ids"):
         load_npy(path, separator=1, vocab_size=8)
+
+
+def test_what_is_no_npy_array_is_named_so(tmp_path):
+    """A file named .npy that np.save did not write was refused with numpy's advice to
+    unpickle it ("If you trust the file you can load it unsafely using the allow_pickle=
+    keyword"); an archive of np.savez (.npz) was read as a raw token file ("dtype: cannot
+    infer it from the suffix")."""
+    junk = tmp_path / "t.npy"
+    for content in (b"not an array", b"", b"\x80\x04K\x01."):  # text, nothing, a real pickle
+        junk.write_bytes(content)
+        for load in (lambda: load_npy(junk, separator=1, vocab_size=8), lambda: load_corpus(junk, separator=1, vocab_size=8)):
+            with pytest.raises(ValueError, match=r"^path: '.*t.npy' is not a .npy array \(it does not start as np.save's files do\): "
+                                                 r"save the token ids with np.save$") as refused:
+                load()
+            assert "pickle" not in str(refused.value)
+    archive = tmp_path / "t.npz"
+    np.savez(archive, tokens=np.array([4, 5, 1], dtype=np.int32))
+    misnamed = tmp_path / "archive.npy"
+    misnamed.write_bytes(archive.read_bytes())
+    for load in (lambda: load_corpus(archive, separator=1, vocab_size=8), lambda: load_corpus(archive),
+                 lambda: load_npy(misnamed, separator=1, vocab_size=8), lambda: load_blend(str(archive), separator=1, vocab_size=8)):
+        with pytest.raises(ValueError, match=r"path: '.*t.npz' is a numpy archive \(np.savez\), which is not read: save the one array of "
+                                             r"token ids with np.save \(a .npy file\)|path: '.*archive.npy' is a numpy archive"):
+            load()
+
+
+def test_json_with_a_byte_order_mark_is_read(tmp_path):
+    """A blend file or a token file's index saved with a UTF-8 BOM (a Windows editor) was
+    refused with json's own words ("Unexpected UTF-8 BOM (decode using utf-8-sig)")."""
+    index = {"documents": 2, "tokens": 4, "dtype": "uint16", "separator": 0, "vocab_size": 10}
+    path = _write_tokens(tmp_path / "p.u16", [5, 0, 7, 0])
+    (tmp_path / "p.u16.index.json").write_text(json.dumps(index), encoding="utf-8-sig")
+    assert load_token_file(path).vocab_size == 10
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps([{"path": "p.u16", "weight": 1}]), encoding="utf-8-sig")
+    assert load_blend(spec).datasets[0].document(1).tolist() == [7, 0]
 
 
 def test_index_defaults(tmp_path):
