@@ -133,6 +133,21 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".parquet")
 _CACHE_DIRS = {"__pycache__"}
 
 
+def _integral(value):
+    """value as a Python int when it is an integer of another type (numpy's np.int64, a
+    count computed from an array), else unchanged (None, bool, a float: for the checks to
+    refuse)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    return value
+
+
+def _int_arg(name: str, value, low: int = 1, high: Optional[int] = None) -> int:
+    """fmoe.ops.checks.check_positive_int, numpy's integers taken as the ints they are
+    (returned as int)."""
+    return check_positive_int(name, _integral(value), low, high)
+
+
 # ----------------------------------------------------------------------------------------
 # 1. Byte tokens
 # ----------------------------------------------------------------------------------------
@@ -215,9 +230,9 @@ class TokenDataset:
             bad = int(np.flatnonzero((self.starts < 0) | (self.lengths < 0) | (self.starts + self.lengths > len(data)))[0])
             raise ValueError(f"starts, lengths: document {bad} spans [{self.starts[bad]}, {self.starts[bad] + self.lengths[bad]}), "
                              f"not inside the data's {len(data)} tokens")
-        self.vocab_size = check_positive_int("vocab_size", vocab_size)
+        self.vocab_size = _int_arg("vocab_size", vocab_size)
         if eos is not None:
-            check_positive_int("eos", eos, 0, self.vocab_size - 1)
+            eos = _int_arg("eos", eos, 0, self.vocab_size - 1)
         self.eos = eos
         self.doc_lens = self.lengths + (eos is not None)
 
@@ -269,7 +284,7 @@ class TokenDataset:
         """(train, validation): a document goes to validation when its key's bucket in
         0..99 (crc32 of its name, or a fixed hash of its index + 1 when unnamed) is below
         val_percent. Deterministic, disjoint, and together all documents, in stored order."""
-        check_positive_int("val_percent", val_percent, 0, 100)
+        val_percent = _int_arg("val_percent", val_percent, 0, 100)
         if self.names is not None:
             buckets = np.array([zlib.crc32(n.encode("utf-8", "surrogateescape")) % 100 for n in self.names], dtype=np.int64)
         else:  # Fibonacci hashing of the index + 1 (index 0's product is 0), top 32 bits (uint64 products wrap)
@@ -282,8 +297,8 @@ class TokenDataset:
         """The first n_batches micro-batches of `tokens` tokens packed from the documents in
         stored order (see make_batch for the keys; whole_documents as for Sampler); the
         same list on every call. Each document is in them at most once."""
-        check_positive_int("tokens", tokens)
-        check_positive_int("n_batches", n_batches)
+        tokens = _int_arg("tokens", tokens)
+        n_batches = _int_arg("n_batches", n_batches)
         if tokens * n_batches > self.n_tokens and not whole_documents:  # with padding: checked once drawn
             raise ValueError(f"n_batches: {n_batches} batches of {tokens} tokens need {tokens * n_batches} tokens, "
                              f"the dataset has {self.n_tokens}")
@@ -447,8 +462,8 @@ def _split_documents(data: np.ndarray, *, separator: int, vocab_size: int, where
     pass both finds the separators and checks every id is in 0..vocab_size-1 (`where`
     names the array in errors; vocab_from, the index file vocab_size came from, if not the
     caller's argument)."""
-    check_positive_int("vocab_size", vocab_size)
-    check_positive_int("separator", separator, 0, vocab_size - 1)
+    vocab_size = _int_arg("vocab_size", vocab_size)
+    separator = _int_arg("separator", separator, 0, vocab_size - 1)
     ends = []
     for lo in range(0, len(data), _SCAN_CHUNK):
         chunk = np.asarray(data[lo: lo + _SCAN_CHUNK])
@@ -511,7 +526,7 @@ def _from_index(field: str, given, index: dict, path: Path):
     if given is None:
         return index[field]
     if field in ("vocab_size", "separator"):
-        check_positive_int(field, given, 1 if field == "vocab_size" else 0)
+        given = _int_arg(field, given, 1 if field == "vocab_size" else 0)
     if given != index[field] and not (field == "vocab_size" and given > index[field]):
         raise ValueError(f"{field}: {given!r} was given, the index {str(index_path(path))!r} says {index[field]!r}")
     return given
@@ -553,6 +568,7 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
     path = _existing(path)
     if not path.is_file():
         raise ValueError(f"path: {str(path)!r} is not a regular file")
+    separator, vocab_size = _integral(separator), _integral(vocab_size)
     index = read_index(path)
     given_dtype, vocab_from = dtype, None
     if index is not None and vocab_size is None:  # the index's, named as such in errors
@@ -699,6 +715,7 @@ def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Option
     dtype given with one is a ValueError (they were ignored)."""
     if path is None:
         return load_stdlib()
+    separator, vocab_size = _integral(separator), _integral(vocab_size)
     if _existing(path).is_dir():
         given = {name: value for name, value in (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype))
                  if value is not None}
@@ -731,7 +748,7 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
     loss_mask is False. token_mask [T] bool: False on padding (whole sequences of it, never
     labels: give label_mask False there too), stored as the batch's token_mask, which the
     MoE layers do not route; None stores none."""
-    check_positive_int("mtp_depth", mtp_depth, 0)
+    mtp_depth = _int_arg("mtp_depth", mtp_depth, 0)
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
             or input_ids.dtype == torch.bool:
         got = f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -808,9 +825,9 @@ class Sampler:
         if not dataset.n_tokens:
             raise ValueError(f"dataset: its {len(dataset)} documents are all empty (no tokens)")
         self.dataset = dataset
-        self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
-        self.seed = check_positive_int("seed", seed, 0)
-        self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
+        self.tokens_per_batch = _int_arg("tokens_per_batch", tokens_per_batch)
+        self.seed = _int_arg("seed", seed, 0)
+        self.mtp_depth = _int_arg("mtp_depth", mtp_depth, 0)
         check_bools(shuffle=shuffle, whole_documents=whole_documents)
         self.shuffle, self.whole_documents = shuffle, whole_documents
         self.epoch, self.index, self.offset = 0, 0, 0
@@ -885,10 +902,10 @@ class Sampler:
                           ("n_tokens", self.dataset.n_tokens)):
             if key in state and state[key] != mine:
                 raise ValueError(f"state: {key} is {state[key]!r}, this sampler has {mine!r}")
-        epoch = check_positive_int("state['epoch']", state["epoch"], 0)
-        index = check_positive_int("state['index']", state["index"], 0, len(self.dataset) - 1)
+        epoch = _int_arg("state['epoch']", state["epoch"], 0)
+        index = _int_arg("state['index']", state["index"], 0, len(self.dataset) - 1)
         order = self._epoch_order(epoch)
-        offset = check_positive_int("state['offset']", state["offset"], 0, max(self.dataset.doc_len(int(order[index])) - 1, 0))
+        offset = _int_arg("state['offset']", state["offset"], 0, max(self.dataset.doc_len(int(order[index])) - 1, 0))
         self.epoch, self.index, self.offset, self._order = epoch, index, offset, order
 
 
@@ -1079,7 +1096,7 @@ class Blend:
     def split(self, val_percent: int) -> tuple["Blend", "Blend"]:
         """(train, validation) blends of the same names and weights: each source split by
         TokenDataset.split(val_percent). A source left with no training documents is refused."""
-        check_positive_int("val_percent", val_percent, 0, 100)
+        val_percent = _int_arg("val_percent", val_percent, 0, 100)
         parts = [d.split(val_percent) for d in self.datasets]
         for i, (train, _) in enumerate(parts):
             if not len(train):
@@ -1097,8 +1114,8 @@ class Blend:
         greedy rule (BlendSampler) and its batches the source's first ones in stored order
         (TokenDataset.validation_batches, whole_documents as for Sampler); the same list on
         every call. One source: exactly its validation_batches."""
-        check_positive_int("tokens", tokens)
-        order = _blend_schedule(self.weights, check_positive_int("n_batches", n_batches))
+        tokens = _int_arg("tokens", tokens)
+        order = _blend_schedule(self.weights, _int_arg("n_batches", n_batches))
         per_source = []
         for i, dataset in enumerate(self.datasets):
             k = order.count(i)
@@ -1180,9 +1197,9 @@ class BlendSampler:
         if not isinstance(blend, Blend):
             raise ValueError(f"blend: expected a Blend, got {type(blend).__name__}")
         self.blend = blend
-        self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
-        self.seed = check_positive_int("seed", seed, 0)
-        self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
+        self.tokens_per_batch = _int_arg("tokens_per_batch", tokens_per_batch)
+        self.seed = _int_arg("seed", seed, 0)
+        self.mtp_depth = _int_arg("mtp_depth", mtp_depth, 0)
         check_bools(shuffle=shuffle, whole_documents=whole_documents)
         self.shuffle, self.whole_documents = shuffle, whole_documents
         self.samplers = self._fresh_samplers()
@@ -1253,8 +1270,8 @@ class BlendSampler:
         for key in ("batches", "tokens", "samplers"):
             if len(state[key]) != n:
                 raise ValueError(f"state: {key} has {len(state[key])} entries, this blend has {n} sources")
-        batches = [check_positive_int(f"state['batches'][{i}]", b, 0) for i, b in enumerate(state["batches"])]
-        tokens = [check_positive_int(f"state['tokens'][{i}]", t, 0) for i, t in enumerate(state["tokens"])]
+        batches = [_int_arg(f"state['batches'][{i}]", b, 0) for i, b in enumerate(state["batches"])]
+        tokens = [_int_arg(f"state['tokens'][{i}]", t, 0) for i, t in enumerate(state["tokens"])]
         for i, sampler in enumerate(samplers):
             with _naming(self.blend.where(i)):
                 sampler.load_state_dict(state["samplers"][i])

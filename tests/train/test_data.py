@@ -730,3 +730,25 @@ def test_a_uint32_file_read_as_uint16_is_refused_and_a_uint16_file_of_zeros_is_n
         tokens.tofile(tmp_path / name)
         ds = load_token_file(tmp_path / name, separator=0, vocab_size=50304)
         assert ds.n_tokens == len(tokens), name
+
+
+def test_numpy_integers_are_taken_as_ints(tmp_path):
+    """Numbers computed from arrays (np.int64: int(ids.max()) + 1 without the int) were
+    refused: "vocab_size: expected an int, got np.int64(10)". Any integer is taken, stored
+    as an int; a bool (numpy's too) or a float still is not."""
+    path = tmp_path / "t.u16"
+    np.array([5, 0, 7, 8, 0, 9], dtype=np.uint16).tofile(path)
+    np.save(tmp_path / "t.npy", np.array([5, 0, 7, 8, 0, 9], dtype=np.int32))
+    for ds in (load_corpus(path, separator=np.int64(0), vocab_size=np.int64(10)),
+               load_token_file(path, separator=np.uint16(0), vocab_size=np.int32(10)),
+               load_corpus(tmp_path / "t.npy", separator=np.int64(0), vocab_size=np.int64(10))):
+        assert type(ds.vocab_size) is int and ds.vocab_size == 10 and len(ds) == 3
+    train, _ = ds.split(np.int64(0))
+    sampler = Sampler(train, np.int64(4), seed=np.int64(3), mtp_depth=np.int64(1))
+    assert (type(sampler.tokens_per_batch), type(sampler.seed), type(sampler.mtp_depth)) == (int, int, int)
+    assert sampler.next_batch()["mtp_labels"].shape == (1, 4)
+    assert len(train.validation_batches(np.int64(2), np.int64(3))) == 3
+    assert make_batch(torch.arange(4), torch.tensor([0, 4]), np.int64(1))["mtp_labels"].shape == (1, 4)
+    for bad in (True, np.bool_(True), 10.0):
+        with pytest.raises(ValueError, match=f"vocab_size: expected an int, got {bad!r}"):
+            load_corpus(path, separator=0, vocab_size=bad)
