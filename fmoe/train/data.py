@@ -742,12 +742,14 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
     """The batch TensorDict (batch_size []) of packed tokens input_ids [T] int64 and
     sequence bounds cu_seqlens [n + 1]: keys input_ids, labels, loss_mask, positions,
     cu_seqlens (int32), and mtp_input_ids, mtp_positions, mtp_labels, mtp_loss_mask [D, T]
-    when mtp_depth D > 0 (module docstring). label_mask [T] bool: False where a token is
+    when mtp_depth D > 0 (module docstring). cu_seqlens holds 0 = cu[0] < cu[1] < ... <
+    cu[n] = T: an empty sequence is a ValueError. label_mask [T] bool: False where a token is
     never a label (a prompt's tokens, TokenDataset.label_mask), so the positions predicting
     it, at every depth, do not count; None counts every token. Labels are -100 where
     loss_mask is False. token_mask [T] bool: False on padding (whole sequences of it, never
     labels: give label_mask False there too), stored as the batch's token_mask, which the
-    MoE layers do not route; None stores none."""
+    MoE layers do not route; None stores none. Either mask may hold 0/1 integers for False
+    and True; other values are a ValueError."""
     mtp_depth = _int_arg("mtp_depth", mtp_depth, 0)
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
             or input_ids.dtype == torch.bool:
@@ -767,6 +769,16 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):
             raise ValueError(f"{name}: expected a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
                              f"{getattr(mask, 'shape', type(mask).__name__)}")
+    for name, mask in (("label_mask", label_mask), ("token_mask", token_mask)):  # a 2 was read as True
+        if mask is not None and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+            bad = mask[(mask != 0) & (mask != 1)][0].item()
+            raise ValueError(f"{name}: expected bool or 0/1 values, got {bad!r}")
+    if cu_seqlens.ndim == 1 and cu_seqlens.numel() > 1:  # the ops take empty sequences; a batch has none (Sampler passes over them)
+        empty = torch.nonzero(cu_seqlens[1:] == cu_seqlens[:-1])
+        if len(empty):
+            j = int(empty[0])
+            raise ValueError(f"cu_seqlens: sequence {j} is empty (cu_seqlens[{j}] = cu_seqlens[{j + 1}] = {int(cu_seqlens[j])}); "
+                             "expected 0 = cu[0] < cu[1] < ... < cu[n] = T, every sequence at least one token")
     entries = mtp_targets(input_ids.long(), cu_seqlens, mtp_depth, loss_mask=None if label_mask is None else label_mask.bool(),
                           ignore_index=IGNORE_INDEX)
     if label_mask is not None:
