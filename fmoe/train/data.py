@@ -1044,7 +1044,8 @@ class Blend:
     Args:
         datasets: one TokenDataset per source (a split's validation part may be empty).
         names: unique source names (checkpoints and per-source metrics use them).
-        weights: one number > 0 per source; stored normalised to sum 1.
+        weights: one number > 0 per source; stored normalised to sum 1 (a weight so much
+            smaller than the others that its share is 0.0 is a ValueError).
         paths: where each source was read from (named in errors), or None.
 
     The blend's vocab_size is the largest of its sources'. Token sources may differ there
@@ -1072,6 +1073,9 @@ class Blend:
         if not math.isfinite(total):
             raise ValueError(f"weights: their sum overflows a float, got {list(weights)}; give them on a smaller scale")
         self.weights = [float(w) / total for w in weights]
+        if 0.0 in self.weights:  # below the float range next to the others: the source would never be drawn
+            raise ValueError(f"weights: {list(weights)} give {self.names[self.weights.index(0.0)]!r} a share of 0 once normalised "
+                             "(it would never be drawn); give the weights on a closer scale")
         self._check_vocabularies()
         self.vocab_size = max(d.vocab_size for d in self.datasets)
 

@@ -384,6 +384,12 @@ def test_a_missing_path_with_a_colon_is_named_a_missing_path(tmp_path, monkeypat
     assert load_blend("blend/no:there.u16", separator=0, vocab_size=4).names == ["no:there.u16"]
 
 
+def test_a_weight_whose_share_is_0_is_refused(tmp_path):
+    a, b = _write_tokens(tmp_path / "a.u16", [1, 0, 2]), _write_tokens(tmp_path / "b.u16", [3, 0])
+    with pytest.raises(ValueError, match=r"^weights: \[1e-300, 1e\+300\] give 'a.u16' a share of 0 once normalised"):
+        load_blend(f"1e-300:{a},1e300:{b}", separator=0, vocab_size=4)
+
+
 def test_bad_specs(tmp_path):
     with pytest.raises(ValueError, match="spec: expected a blend"):
         parse_blend("  ")
@@ -450,6 +456,12 @@ def test_blend_constructor_errors():
     with pytest.raises(ValueError, match=r"weights: their sum overflows a float, got \[1e\+308, 1e\+308\]"):
         Blend([_source(0), _source(1)], ["a", "b"], [1e308, 1e308])
     assert Blend([_source(0), _source(1)], ["a", "b"], [1e307, 3e307]).weights == [0.25, 0.75]
+    # a weight > 0 whose share underflows to 0.0 beside the others: the source was silently never drawn
+    with pytest.raises(ValueError, match=r"^weights: \[1e-300, 1e\+300\] give 'a' a share of 0 once normalised \(it would never be drawn\)"):
+        Blend([_source(0), _source(1)], ["a", "b"], [1e-300, 1e300])
+    with pytest.raises(ValueError, match=r"^weights: \[1e\+300, 1e-300\] give 'tiny' a share of 0"):
+        Blend([_source(0), _source(1)], ["huge", "tiny"], [1e300, 1e-300])
+    assert Blend([_source(0), _source(1)], ["a", "b"], [1e-300, 1e-290]).weights[0] > 0  # tiny both: shares fine
     assert Blend([_source(0), _source(1)], ["a", "b"], [np.float32(0.25), np.int64(3)]).weights == [0.25 / 3.25, 3 / 3.25]  # numpy's numbers
     with pytest.raises(ValueError, match="weights: expected finite numbers > 0"):
         Blend([_source(0)], ["a"], [np.bool_(True)])
