@@ -5293,8 +5293,8 @@ def _config_dict(file: Path) -> dict:
     """A config.json's fields; ValueError naming the file for one that is not a JSON object."""
     try:
         fields = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"config.json: {str(file)!r} is not valid JSON ({err})") from err
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested past Python's stack
+        raise ValueError(f"config.json: {str(file)!r} is not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
     if not isinstance(fields, dict):
         raise ValueError(f"config.json: {str(file)!r} holds a {type(fields).__name__}, not a JSON object of fields")
     return fields

@@ -794,8 +794,8 @@ def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
         raise ValueError(f"path: {str(path)!r} is neither an fmoe run directory (config.json) nor a checkpoint inside one")
     try:
         run = json.loads((run_dir / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not valid JSON ({err})") from err
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested past Python's stack
+        raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
     if not isinstance(run, dict) or not isinstance(run.get("config"), dict) or "model" not in run["config"] or "vocab_size" not in run:
         raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not an fmoe run's config (no config.model and vocab_size"
                          f"{'; a Hugging Face folder: fmoe.hf.from_pretrained reads it' if isinstance(run, dict) and 'model_type' in run else ''})")

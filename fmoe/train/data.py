@@ -496,8 +496,8 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
         return None
     try:
         fields = json.loads(index.read_text(encoding="utf-8-sig"))  # a BOM (a Windows editor's) is no error
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"path: the index {str(index)!r} is not valid JSON ({err})") from err
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested past Python's stack
+        raise ValueError(f"path: the index {str(index)!r} is not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
     missing = [k for k in _INDEX_FIELDS if not isinstance(fields, dict) or k not in fields]
     if missing:
         raise ValueError(f"path: the index {str(index)!r} lacks the fields {missing}")
@@ -516,6 +516,9 @@ def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
                          "the data again as uint32")
     if not isinstance(fields.get("loss_mask"), (str, type(None))):  # a file name beside the index, or none
         raise ValueError(f"path: the index {str(index)!r} holds loss_mask = {fields['loss_mask']!r}, expected a file name or null")
+    mask = fields.get("loss_mask")
+    if isinstance(mask, str) and (Path(mask).name != mask or mask in ("", ".", "..")):  # a path: any file of this machine
+        raise ValueError(f"path: the index {str(index)!r} holds loss_mask = {mask!r}, expected the name of a file beside it")
     return fields
 
 

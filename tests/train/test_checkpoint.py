@@ -350,7 +350,7 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ValueError, match=r"path: .*config.json' is not an fmoe run's config .*a Hugging Face folder: fmoe.hf.from_pretrained"):
             read(hf_folder)
     (hf_folder / "config.json").write_text('{"config": ')  # a torn file: named, not a bare JSONDecodeError
-    with pytest.raises(ValueError, match=r"path: '.*config.json' is not valid JSON \(Expecting value"):
+    with pytest.raises(ValueError, match=r"path: '.*config.json' is not valid JSON \(JSONDecodeError: Expecting value"):
         ckpt.run_config(hf_folder)
     (hf_folder / "config.json").write_text('[1, 2]')
     with pytest.raises(ValueError, match=r"path: '.*config.json' is not an fmoe run's config \(no config.model and vocab_size\)"):

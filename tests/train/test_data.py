@@ -3,6 +3,7 @@
 import gzip
 import os
 import pathlib
+import re
 import sysconfig
 import warnings
 
@@ -770,3 +771,29 @@ def test_make_batch_refuses_empty_sequences_and_mask_values_other_than_0_and_1()
         for good in (torch.tensor([1, 0] * 5), torch.tensor([1.0, 0.0] * 5, dtype=torch.float16), torch.tensor([True, False] * 5)):
             assert make_batch(ids, cu, **{name: good})["loss_mask" if name == "label_mask" else "token_mask"].dtype == torch.bool
     assert _same(make_batch(ids, cu, 1, label_mask=torch.tensor([1, 0] * 5)), make_batch(ids, cu, 1, label_mask=torch.tensor([True, False] * 5)))
+
+
+def test_an_index_names_a_loss_mask_beside_it_and_deep_json_is_named(tmp_path):
+    """A token file's index from elsewhere: its loss_mask is a file beside it (a path,
+    relative or absolute, opened any file of this machine as the run's label mask), and
+    JSON nested past Python's stack is a ValueError naming the index (a raw RecursionError)."""
+    import json
+
+    from fmoe.train.checkpoint import run_config
+    from fmoe.hf import read_config
+
+    path = tmp_path / "a.u16"
+    np.array([5, 1, 3], dtype=np.uint16).tofile(path)
+    index = dict(documents=2, tokens=3, dtype="uint16", separator=1, vocab_size=10)
+    for mask in ("../../etc/hostname", "/etc/hostname", "sub/a.mask", ".."):
+        (tmp_path / "a.u16.index.json").write_text(json.dumps(dict(index, loss_mask=mask)))
+        with pytest.raises(ValueError, match=rf"holds loss_mask = {re.escape(repr(mask))}, expected the name of a file beside it"):
+            load_token_file(path)
+    (tmp_path / "a.u16.index.json").write_text("[" * 100000)
+    with pytest.raises(ValueError, match=r"the index '.*a.u16.index.json' is not valid JSON \(RecursionError"):
+        load_token_file(path)
+    (tmp_path / "config.json").write_text("[" * 100000)
+    with pytest.raises(ValueError, match=r"config.json' is not valid JSON \(RecursionError"):
+        run_config(tmp_path)
+    with pytest.raises(ValueError, match=r"config.json' is not valid JSON \(RecursionError"):
+        read_config(tmp_path)
