@@ -95,7 +95,8 @@ class Config:
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
     # losses
     mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
-    seq_aux_coeff: float = 1e-2     # sequence-level balancing loss
+    seq_aux_coeff: float = 1e-2     # sequence-level balancing loss (each of the three: averaged over the MoE layers and micro-
+                                    # batches, as transformers' Mixtral loss is; Megatron sums its layers': its coefficient / L)
     aux_coeff: float = 0.0          # switch loss over the micro-batch
     z_coeff: float = 0.0            # router z-loss (softmax routing; the default sigmoid routing runs better without)
     bias_rate: float = 3e-2         # aux-loss-free expert-bias step, in the selection scores' units: sigmoids (0..1), or with
