@@ -419,7 +419,9 @@ def seq_load_balancing_loss(
         mask: None, or [T] bool, False on tokens left out (padding): S_b counts only the
             tokens of b in the mask, their scores and slots are dropped (mask_tokens), and
             a sequence with none of them is left out of the mean, so the loss equals the
-            unmasked loss of the batch without those tokens.
+            unmasked loss of the batch without those tokens. (Megatron's padding mask
+            differs: one length shared by every row, the micro-batch's valid tokens / B,
+            and every row in the mean; without padding the two agree.)
     Returns: 0-D float32 tensor.
     """
     check_float("scores", scores, 2, "[T, E]")

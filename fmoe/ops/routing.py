@@ -508,8 +508,10 @@ def route(
             softmax(logits) (module docstring), whichever pre_softmax.
         scale: multiplies the weights (DeepSeek-V3: 2.5).
         normalize: sigmoid and sqrtsoftplus scoring only: divide the k chosen scores by their
-            sum (the default, DeepSeek-V3, DeepSeek-V4; a sigmoid's only when k > 1); False
-            keeps the raw scores (HF norm_topk_prob=False).
+            sum (the default, DeepSeek-V3, DeepSeek-V4; a sigmoid's only when k > 1,
+            sqrtsoftplus's at every k: at k = 1 a weight of 1.0, where Megatron keeps
+            sqrt(softplus(x)), as normalize=False does); False keeps the raw scores (HF
+            norm_topk_prob=False).
         bias_on_logits: sigmoid scoring with an expert_bias only: choose on logits +
             expert_bias instead of sigmoid(logits) + expert_bias (Kolibri-1); the weights are
             the chosen sigmoids all the same.

@@ -387,6 +387,8 @@ def global_load_balancing_loss(
     must sum (as for the LM loss), and the logged value is all_reduce_sums over the data-
     parallel group. With equal shares (T_r = N / R) value_r = (E sum_e f_e P_e^(r)) / R:
     the sum is the mean over ranks of the paper's LBL_global with the local P_e^(r).
+    (Megatron's global aux loss has the same values, but its data-parallel gradient
+    reduction averages: at one coefficient its gradient is 1/R of this one's.)
 
     Micro-batches: keep running counts C_m over micro-batches 1..m (all ranks) and their
     token total N_m; at micro-batch m pass global_counts=C_m, n_tokens=N_m and
