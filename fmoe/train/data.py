@@ -745,8 +745,9 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
     """The batch TensorDict (batch_size []) of packed tokens input_ids [T] int64 and
     sequence bounds cu_seqlens [n + 1]: keys input_ids, labels, loss_mask, positions,
     cu_seqlens (int32), and mtp_input_ids, mtp_positions, mtp_labels, mtp_loss_mask [D, T]
-    when mtp_depth D > 0 (module docstring). cu_seqlens holds 0 = cu[0] < cu[1] < ... <
-    cu[n] = T: an empty sequence is a ValueError. label_mask [T] bool: False where a token is
+    when mtp_depth D > 0 (module docstring). cu_seqlens holds 0 = cu[0] <= cu[1] <= ... <=
+    cu[n] = T: an empty sequence holds no token and counts nothing, as in the ops (Sampler
+    makes none; context parallelism's tests pack one on purpose). label_mask [T] bool: False where a token is
     never a label (a prompt's tokens, TokenDataset.label_mask), so the positions predicting
     it, at every depth, do not count; None counts every token. Labels are -100 where
     loss_mask is False. token_mask [T] bool: False on padding (whole sequences of it, never
@@ -776,12 +777,6 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
         if mask is not None and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
             bad = mask[(mask != 0) & (mask != 1)][0].item()
             raise ValueError(f"{name}: expected bool or 0/1 values, got {bad!r}")
-    if cu_seqlens.ndim == 1 and cu_seqlens.numel() > 1:  # the ops take empty sequences; a batch has none (Sampler passes over them)
-        empty = torch.nonzero(cu_seqlens[1:] == cu_seqlens[:-1])
-        if len(empty):
-            j = int(empty[0])
-            raise ValueError(f"cu_seqlens: sequence {j} is empty (cu_seqlens[{j}] = cu_seqlens[{j + 1}] = {int(cu_seqlens[j])}); "
-                             "expected 0 = cu[0] < cu[1] < ... < cu[n] = T, every sequence at least one token")
     entries = mtp_targets(input_ids.long(), cu_seqlens, mtp_depth, loss_mask=None if label_mask is None else label_mask.bool(),
                           ignore_index=IGNORE_INDEX)
     if label_mask is not None:
