@@ -793,6 +793,13 @@ def main(argv: list[str]) -> None:
                          for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
               f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
+        planned = tokens_seen  # the tokens the run reads up to --steps, by the batch schedule
+        for _ in range(step, cfg.steps):
+            planned += cfg.tokens_per_micro_batch * batch_size_at(planned, cfg.batch_schedule)
+        passes = (planned - tokens_seen) / max(train_set.n_tokens, 1)
+        if passes > 1:  # a small corpus: the run sees each document many times (it overfits), which nothing said
+            print(f"note: {'the rest of ' if step else ''}the run reads {planned - tokens_seen:,} tokens, {passes:.1f} passes over the "
+                  f"{train_set.n_tokens:,} training tokens (--steps={cfg.steps}, --batch_schedule={cfg.batch_schedule!r})", flush=True)
         for name, d in zip(train_set.names, train_set.datasets):  # a corpus in one file is not shuffled: say so
             big = int(d.lengths.argmax()) if len(d) else 0
             if len(d) and d.lengths[big] >= d.n_tokens / 4 and d.lengths[big] > 8 * first_step:

@@ -777,6 +777,12 @@ def test_a_corpus_of_one_file_trains_without_validation(tmp_path):
     assert re.search(r"^done: step 2, loss \d+\.\d{4} \(no validation: --eval_batches=0\)$", run.stdout, flags=re.M), run.stdout
     records = _records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2] and not any("val_loss" in r for r in records)
+    assert "passes over the" not in run.stdout  # 512 of 3,201 tokens
+    # a corpus smaller than the run: how many times it is read is said (nothing said so)
+    (data / "notes.txt").write_text("x = 1\n" * 50)
+    run = _train(tmp_path / "small", f"--data={data}", "--eval_batches=0", "--steps=2", "--warmup=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "note: the run reads 512 tokens, 1.7 passes over the 301 training tokens (--steps=2, --batch_schedule='0:2')" in run.stdout, run.stdout
 
 
 def test_a_blend_of_bytes_and_token_ids_suggests_no_knob(tmp_path):
