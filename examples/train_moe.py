@@ -95,8 +95,9 @@ class Config:
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
     # losses
     mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
-    seq_aux_coeff: float = 1e-2     # sequence-level balancing loss (each of the three: averaged over the MoE layers and micro-
-                                    # batches, as transformers' Mixtral loss is; Megatron sums its layers': its coefficient / L)
+    seq_aux_coeff: float = 1e-2     # sequence-level balancing loss (each of the three: averaged over the MoE layers and
+                                    # micro-batches, as transformers' Mixtral loss is; Megatron sums its L layers' instead, so
+                                    # a Megatron coefficient c balances as L x c does here)
     aux_coeff: float = 0.0          # switch loss over the micro-batch
     z_coeff: float = 0.0            # router z-loss (softmax routing; the default sigmoid routing runs better without)
     bias_rate: float = 3e-2         # aux-loss-free expert-bias step, in the selection scores' units: sigmoids (0..1), or with
