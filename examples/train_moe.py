@@ -71,7 +71,8 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import OutDirInUse, OutDirLock, StopRequests, every_rank, nearest, run_script, set_deterministic, write_config
+from fmoe.train.run import (OutDirInUse, OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, set_deterministic,
+                            write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -517,10 +518,11 @@ def main(argv: list[str]) -> None:
             out_dir_lock = OutDirLock(cfg.out_dir)
         except OutDirInUse as err:
             held = str(err)
-        # a run's own files, written through a link (a run directory from elsewhere) into any file of this machine: refused
-        held = held or next((f"--out_dir: {str(link)!r} is a link (to {os.readlink(link)!r}); a run writes its own {link.name}: "
-                             "remove the link" for link in (Path(cfg.out_dir) / name for name in ("config.json", "metrics.jsonl"))
-                             if link.is_symlink()), None)
+        for name in ("config.json", "metrics.jsonl"):  # refused before anything is written through them
+            try:
+                refuse_link(Path(cfg.out_dir) / name)
+            except ValueError as err:
+                held = held or f"--{err}"
     earlier = None if cfg.resume else checkpoint.latest(cfg.out_dir)
     if refusal := every_rank(held or (None if earlier is None else (
             f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "

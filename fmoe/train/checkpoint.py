@@ -868,11 +868,12 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     gets the whole model."""
     cfg, run = run_config(path, impl=impl)
     with reading(path) as found:  # the config against the saved shapes before a model is built: a config.json claiming a
-        _check_config_sizes(found, _stored(found), cfg)  # larger model than its weights allocated all of it first
+        stored = _stored(found)  # larger model than its weights allocated all of it first
+        _check_config_sizes(found, stored, cfg)
         with torch.device("meta"):
             shell = Transformer(cfg)
         whole = shell.state_dict()
-        _check_model_shapes(found, _stored(found), whole, set(whole), cfg)
+        _check_model_shapes(found, stored, whole, set(whole), cfg)
         del shell, whole
         model = Transformer(cfg)
         return model, {**run, "checkpoint": str(load_model(found, model=model))}

@@ -324,14 +324,15 @@ class TokenDataset:
             yield batch
 
 
-def _is_text(blob: bytes) -> bool:
-    """UTF-8 without a NUL byte (which text never holds: UTF-16, an image, bytecode, an archive)."""
+def _is_text(blob: bytes, *, cut: bool = False) -> bool:
+    """UTF-8 without a NUL byte (which text never holds: UTF-16, an image, bytecode, an
+    archive); with `cut`, a last character cut short (the head of a file) is allowed."""
     if b"\0" in blob:
         return False
     try:
         blob.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
+    except UnicodeDecodeError as err:
+        return cut and err.start >= len(blob) - 3
     return True
 
 
@@ -536,16 +537,11 @@ def _from_index(field: str, given, index: dict, path: Path):
 
 
 def _looks_like_text(path: Path, n: int = 4096) -> bool:
-    """The file's first n bytes decode as UTF-8 (a cut last character allowed) with no NUL:
-    text, where token ids below 256 of a uint16 file would hold zero bytes."""
+    """The file's first n bytes are text (_is_text, a cut last character allowed), where
+    token ids below 256 of a uint16 file would hold zero bytes."""
     with open(path, "rb") as f:
         head = f.read(n)
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as err:
-        if err.start < len(head) - 3:
-            return False
-    return bool(head) and b"\0" not in head
+    return bool(head) and _is_text(head, cut=True)
 
 
 def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] = None,

@@ -72,6 +72,7 @@ import torch
 
 from fmoe.ops import load_stats
 from fmoe.ops.checks import check_cu_seqlens, check_positive_int
+from fmoe.train.run import refuse_link
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
     ("H200 NVL", 835e12),
@@ -741,9 +742,7 @@ class MetricsLogger:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        if self.path.is_symlink():  # a run from elsewhere: its writes went through the link into any file of this machine
-            raise ValueError(f"out_dir: {str(self.path)!r} is a link (to {os.readlink(self.path)!r}); a run writes its own "
-                             "metrics.jsonl: remove the link")
+        refuse_link(self.path)
         kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] < start_step]
         self.path.write_text("".join(line + "\n" for line in kept))
         if tensorboard:

@@ -164,6 +164,15 @@ class OutDirLock:
         self.release()
 
 
+def refuse_link(path) -> None:
+    """A ValueError naming `path`, a file a run writes itself (config.json, metrics.jsonl),
+    where it is a link: a run directory from elsewhere would have the run's writes go through
+    it into any file of this machine (--resume emptied a shell's rc file and wrote metrics in)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise ValueError(f"out_dir: {str(path)!r} is a link (to {os.readlink(path)!r}); a run writes its own {path.name}: remove the link")
+
+
 def write_config(out_dir, config: dict, **extra) -> Path:
     """Write <out_dir>/config.json: {"config": config, **extra, "run": run_info()} (config:
     every knob, e.g. dataclasses.asdict of the loop's Config), strict JSON: a non-finite
@@ -174,8 +183,7 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     out_dir = Path(check_path("out_dir", out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
-    if path.is_symlink():  # a run from elsewhere: the write went through the link into any file of this machine
-        raise ValueError(f"out_dir: {str(path)!r} is a link (to {os.readlink(path)!r}); a run writes its own config.json: remove the link")
+    refuse_link(path)
     record = json.loads(json.dumps({"config": config, **extra, "run": run_info()}, default=str))  # default's strings first
     path.write_text(json.dumps(_strict(record), indent=2, allow_nan=False) + "\n")
     return path
