@@ -51,7 +51,8 @@ consecutive token ranges; meta.offsets are then the cumulative ends of each l.
 Capacity layout. moe() applies drop_by_capacity before it calls the dispatcher, on the T
 tokens x holds on entry (before the tp split; with token_shards = n, on the n T tokens of
 the micro-batch x is a shard of, and T below reads n T), so no rank holds more than
-C = ceil(T k / E * capacity_factor) slots of an expert, and every buffer is sized by C:
+C = min(ceil(T k / E * capacity_factor), T) slots of an expert (a token names an expert at
+most once), and every buffer is sized by C:
 
     x_ECH     [E, C, H]        permute_padded: row (e, c) holds expert e's c-th slot in token
                                order, zero rows past its slots (global expert e = s L + l)
@@ -498,10 +499,13 @@ class ExpertParallel:
     turns that axis off. Holds the meshes and max_tokens: nothing is kept between calls.
 
     cfg.capacity_factor set: the capacity layout (module doc), with no host read and fixed
-    shapes; C = ceil(T k / E * capacity_factor) from T = max_tokens if given, else this
-    call's T. max_tokens: the largest T any rank of this rank's ep x etp group passes, for
+    shapes; C = min(ceil(T k / E * capacity_factor), T) from T = max_tokens if given, else
+    this call's T (T caps it: each token names an expert at most once, as route's top-k and
+    hash routing's tables do). max_tokens: the largest T any rank of this rank's ep x etp group passes, for
     ranks whose token counts differ (a rank with none, a short last batch); every rank of
-    the group must pass the same max_tokens. Not used without a capacity factor: then the
+    the group must pass the same max_tokens. Ranks of different T without it size their
+    buffers differently: gloo aborts the process ("Received data size doesn't match"), nccl may
+    hang or read a wrong buffer. Not used without a capacity factor: then the
     count exchange sizes the all-to-alls (the one host sync per call). cfg.align is not
     used: the exchanged rows carry no alignment padding. The routes must be capacity-dropped
     already (fmoe.ops.drop_by_capacity, as moe() runs it before the dispatcher): each expert's
@@ -592,7 +596,10 @@ class ExpertParallel:
         else:
             # moe() dropped every slot past C of the T tokens on entry (before the tp split), or
             # of the token_shards T tokens of the micro-batch x is a shard of
-            C = expert_capacity((T if self.max_tokens is None else self.max_tokens) * self.token_shards, k, E, cfg.capacity_factor)
+            T_max = T if self.max_tokens is None else self.max_tokens
+            # a token names an expert at most once (route's top-k, a hash table's distinct rows), so this rank holds at most
+            # T_max slots of an expert: a factor that keeps every slot (E or more) sizes no larger buffers than that
+            C = min(expert_capacity(T_max * self.token_shards, k, E, cfg.capacity_factor), T_max)
             x_ECH, plan = permute_padded(x_slice_TH, routes.experts, E, C)
             x_ECH, weights = weigh_rows(x_ECH.view(E * C, H), plan, routes.weights, cfg)
             x_local, meta = dispatch_padded(x_ECH.view(E, C, H), ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)

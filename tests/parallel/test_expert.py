@@ -60,6 +60,9 @@ CASES_2.update({
     "cap_tp2_ep2": (dict(tp=2, ep=2), (10,), dict(cap=1.0, drop=True)),
     "cap_empty_ep2": (dict(ep=2), (0, 7), dict(k=1, one_expert=3, cap=1.0, drop=True, max_tokens=7)),
     "cap_ep2_on_input": (dict(ep=2), (6, 6), dict(cap=1.0, drop=True, on_input=True)),
+    # a factor that keeps every slot: the buffers hold T rows per expert, not ceil(T k / E * 1000) = 1500
+    "cap_ep2_huge_factor": (dict(ep=2), (6, 6), dict(cap=1000.0, drop=False, buffer_rows=6)),
+    "cap_ep2_huge_factor_max_tokens": (dict(ep=2), (5, 7), dict(cap=1000.0, drop=False, max_tokens=7, buffer_rows=7)),
 })
 CASES_4.update({
     "cap_ep4": (dict(ep=4), (6, 6, 6, 6), dict(cap=1.0, drop=True)),
@@ -123,9 +126,10 @@ def _expert_parallel(ep, params, cfg):
 
 def _moe_case(
     sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_groups=None,
-    cap=None, drop=None, max_tokens=None, compiled=False, on_input=False,
+    cap=None, drop=None, max_tokens=None, compiled=False, on_input=False, buffer_rows=None,
 ) -> list[str]:
     from fmoe.layers import MoEConfig, moe
+    from fmoe.parallel import expert as expert_module
     from fmoe.parallel.expert import ExpertParallel
     from fmoe.parallel.mesh import build_meshes
     from fmoe.train.metrics import HostReads
@@ -176,9 +180,16 @@ def _moe_case(
         y, stats = call(inputs["x"], local)
         got = _grads(y, inputs, dy_all[rows])
     else:
-        with HostReads() as reads:
-            y, stats = moe(inputs["x"], local, cfg, experts=_expert_parallel(ep, local, cfg))
-            got = _grads(y, inputs, dy_all[rows])
+        buffers, dispatch_padded = [], expert_module.dispatch_padded  # buffer_rows: the capacity layout's C, as dispatched
+        expert_module.dispatch_padded = lambda x_ECH, **kw: buffers.append(tuple(x_ECH.shape)) or dispatch_padded(x_ECH, **kw)
+        try:
+            with HostReads() as reads:
+                y, stats = moe(inputs["x"], local, cfg, experts=_expert_parallel(ep, local, cfg))
+                got = _grads(y, inputs, dy_all[rows])
+        finally:
+            expert_module.dispatch_padded = dispatch_padded
+        if buffer_rows is not None and buffers != [(E, buffer_rows, H)]:
+            fails.append(f"dispatched capacity buffers {buffers}, expected [{(E, buffer_rows, H)}]")
         if cap is not None and reads.count:
             fails.append(f"{reads.count} host reads with a capacity factor: {dict(reads.sites)}")
         exchange = [site for site in reads.sites if site.split(":")[0].endswith("fmoe/parallel/expert.py")]
