@@ -155,8 +155,10 @@ class MoEConfig:
     n_experts, k: E experts, k per token. score, pre_softmax, n_groups, topk_groups, scale,
     group_score_topk, normalize: as fmoe.ops.route; score "sparsemixer": Phi-3.5-MoE's
     top-2 (fmoe.ops.sparsemixer_route; k = 2, none of route's other knobs) with its gap
-    sparsemixer_eps, the aux scores softmax's. capacity_factor: drop slots past ceil(T k / E * factor) per expert
-    (None: no dropping) with capacity_policy "probs" or "position". random_routing: route on
+    sparsemixer_eps, the aux scores softmax's. capacity_factor: drop slots past ceil(T k / E * factor) per expert,
+    T the tokens of the micro-batch moe() is given (one data-parallel rank's, as in Megatron: a
+    change of dp at a fixed global batch changes which slots drop; the whole micro-batch under
+    sequence or context parallelism) (None: no dropping) with capacity_policy "probs" or "position". random_routing: route on
     N(0,1) noise instead of the logits (benchmarks). align: pad each expert's rows to a
     multiple (16/32 for fp8 grouped GEMMs). aux_scores: also compute the aux-loss scores.
     check_nan: route's NaN check (a host sync per call; off on the hot path). impl:
