@@ -24,9 +24,11 @@ max_norm))`), which multiplies each gradient as it reads it: the same update (bi
 with float32 gradients) without a pass over the gradients of its own.
 
 One process or many: with torch.distributed not initialised, or a group of one rank, no
-collective is issued and plain-tensor gradients go through torch.nn.utils.get_total_norm /
-clip_grad_norm_ themselves (the same bits as torch: computed in the gradients' dtype, then
-cast to float32). Under torchrun the norm is taken over the whole model, whatever mesh each
+collective is issued and plain-tensor gradients in float32 (or float64) go through
+torch.nn.utils.get_total_norm / clip_grad_norm_ themselves (the same bits as torch, the norm
+cast to float32). Where any gradient is bf16 or fp16 the norm is the rule below, in float32
+and float64, as on many ranks: torch's computes those gradients' norms in their own dtype
+(193.0 where the norm is 193.31), so one process would clip otherwise than N. Under torchrun the norm is taken over the whole model, whatever mesh each
 gradient lives on:
 
 Gradient norm over meshes. Gradients are plain tensors (a full copy on every rank) or
@@ -177,9 +179,14 @@ def _with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [q for q in params if q.grad is not None and q.grad.numel()]
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # gradient dtypes whose norm torch sums in their own dtype
+
+
 def _torch_path(tensors: list[Optional[torch.Tensor]], world: int) -> bool:
-    """Whether torch's own single-process functions apply: one rank, plain tensors."""
-    return world == 1 and not any(isinstance(t, DTensor) for t in tensors)
+    """Whether torch's own single-process functions apply: one rank, plain tensors, none in
+    bf16 or fp16 (torch sums those in their own dtype: 193.0 for a norm of 193.31, where many
+    ranks sum in float32, so one process would clip otherwise than N)."""
+    return world == 1 and not any(isinstance(t, DTensor) or (t is not None and t.dtype in _LOW_PRECISION) for t in tensors)
 
 
 def _local_shards(tensors: list[Optional[torch.Tensor]], world: int, what: str = "its gradient") -> list[tuple[torch.Tensor, int]]:
@@ -293,7 +300,8 @@ def grad_norm(
 
     One process (torch.distributed not initialised, or `group` of one rank) with plain-tensor
     gradients: torch.nn.utils.get_total_norm of the .grad tensors, bit for bit, cast to
-    float32; no collective. Otherwise one all_reduce over `group` (default: the world;
+    float32, unless one is bf16 or fp16 (then the rule below, in float32 and float64, as
+    on many ranks); no collective. Otherwise one all_reduce over `group` (default: the world;
     every rank holding any of the gradients must be in it): SUM of sum_grads sum |local
     shard|^p / replicas for finite p, MAX of the local max |g| for p = inf (module
     docstring). Then every rank of the group must call it, with its own parameters (a rank
@@ -348,8 +356,9 @@ def clip_grad_norm(
 
     The norm is grad_norm's (one collective over `group` under torch.distributed, every rank
     calls it; none on one process), then every local gradient (shard) is scaled by
-    min(1, max_norm / (norm + 1e-6)). On one process with plain-tensor gradients this is
-    torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm cast to float32).
+    min(1, max_norm / (norm + 1e-6)). On one process with plain-tensor gradients, none of
+    them bf16 or fp16, this is torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm
+    cast to float32).
     Parameters without a .grad, or with an empty one, are skipped. No host sync.
 
     Args: as grad_norm; max_norm: a positive real number (inf: no clipping, the gradients

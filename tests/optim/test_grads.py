@@ -60,13 +60,13 @@ def test_clip_grad_norm_clips_and_returns_pre_clip_norm(foreach):
     torch.testing.assert_close(clip_grad_norm(params, 0.5), torch.tensor(0.5), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_type", [2.0, 3, INF])
 @pytest.mark.parametrize("foreach", [None, False])
-def test_one_process_is_torch_bit_for_bit(dtype, norm_type, foreach):
-    """Without torch.distributed: torch.nn.utils' own functions, the same bits, float32 out."""
+def test_one_process_is_torch_bit_for_bit(norm_type, foreach):
+    """Without torch.distributed, float32 gradients: torch.nn.utils' own functions, the same
+    bits, float32 out."""
     assert not dist.is_initialized()
-    params = _params_with_grads(dtype)
+    params = _params_with_grads(torch.float32)
     ref = _copies(params)
     before = [p.grad.clone() for p in params[:2]]
     norm = grad_norm(params, norm_type=norm_type, foreach=foreach)
@@ -81,6 +81,40 @@ def test_one_process_is_torch_bit_for_bit(dtype, norm_type, foreach):
     for p, q in zip(params, ref):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
     assert not torch.equal(params[0].grad, before[0])  # it did clip
+
+
+def _low_precision_grads(dtype):
+    """Parameters whose gradients' norm torch rounds in their dtype: dtype None mixes a
+    float32 one with bf16 ones."""
+    g = torch.Generator().manual_seed(5)
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16] if dtype is None else [dtype] * 3
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in zip((4000, 300, 7), dtypes)]
+    for q in params:
+        q.grad = (torch.randn(q.shape, generator=g) * 3).to(q.dtype)
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None])
+@pytest.mark.parametrize("foreach, impl", [(None, "torch"), (False, "torch"), (None, "triton")])
+def test_one_process_norms_low_precision_gradients_in_float32_as_many_ranks_do(dtype, foreach, impl):
+    """bf16 or fp16 gradients on one process: the norm is summed in float32 and float64 as on
+    many ranks (torch's rounds each tensor's norm and their total to the gradients' dtype, 0.1%
+    off here), and the clip scales every gradient by clip_factor of that norm (mul_'s bits), so
+    one process clips as N do."""
+    params = _low_precision_grads(dtype)
+    grads = [q.grad.clone() for q in params]
+    exact = torch.cat([g.double() for g in grads]).norm()
+    torch_norm = torch.nn.utils.get_total_norm(grads).double()
+    assert abs(torch_norm / exact - 1) > 1e-4, "the case does not tell torch's rounding apart"
+    norm = grad_norm(params, foreach=foreach)
+    assert norm.dtype == torch.float32 and abs(float(norm) / float(exact) - 1) < 1e-6, (float(norm), float(exact))
+    with counting_all_reduce() as calls:
+        clipped = clip_grad_norm(params, 10.0, foreach=foreach, impl=impl)
+    assert calls == [] and torch.equal(clipped, norm)
+    factor = clip_factor(norm, 10.0)
+    assert float(factor) < 0.1  # it clips
+    for q, g in zip(params, grads):
+        assert torch.equal(q.grad, g.clone().mul_(factor))
 
 
 @pytest.mark.parametrize("norm_type", [2.0, INF])
@@ -146,29 +180,27 @@ def test_scale_kernel_rounds_the_factor_as_torch_does_on_cuda(monkeypatch):
     assert not torch.equal(tensors[1], unrounded[1]) and not torch.equal(tensors[3], unrounded[3])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None])
 @pytest.mark.parametrize("norm_type", [2.0, INF])
-def test_clip_with_the_kernel_is_torch_bit_for_bit(dtype, norm_type):
+def test_clip_with_the_kernel_is_torch_bit_for_bit(norm_type):
     """clip_grad_norm's one-process path with the multi-tensor kernel (impl="triton", the
-    CUDA default) returns torch's norm and leaves torch's gradients, bit for bit; None: bf16
-    and float32 gradients together (torch's factor is then float32: its own multiply goes
-    tensor by tensor)."""
-    params = _params_with_grads(dtype or torch.float32)
-    if dtype is None:
-        params[1].data, params[1].grad = params[1].data.bfloat16(), params[1].grad.bfloat16()
+    CUDA default) returns torch's norm and leaves torch's gradients, bit for bit, for float32
+    gradients."""
+    params = _params_with_grads(torch.float32)
     ref = _copies(params)
     norm = clip_grad_norm(params, 0.5, norm_type=norm_type, impl="triton")
     expected = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type=norm_type)
     assert norm.dtype == torch.float32 and torch.equal(norm, expected.float())
     for p, q in zip(params, ref):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
-    assert not torch.equal(params[0].grad, _params_with_grads(dtype or torch.float32)[0].grad)  # it did clip
+    assert not torch.equal(params[0].grad, _params_with_grads(torch.float32)[0].grad)  # it did clip
 
 
 @pytest.mark.gpu
 def test_scale_and_clip_on_cuda_are_torch_bit_for_bit():
-    """On CUDA "auto" takes the kernel: the bits of mul_ and of torch's clip_grad_norm_, for
-    a model's mix (bf16 matrices, a float32 router, an odd-sized tensor) at real sizes."""
+    """On CUDA "auto" takes the kernel: the bits of mul_ for a model's mix (bf16 matrices, a
+    float32 router, an odd-sized tensor) at real sizes; the clip of that mix scales by
+    clip_factor of the float32 norm (mul_'s bits), of float32 gradients alone as torch's
+    clip_grad_norm_, bit for bit."""
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [((64, 2048, 768), torch.bfloat16), ((2048, 8192), torch.bfloat16), ((64, 2048), torch.float32), ((1001,), torch.bfloat16)]
     tensors = [torch.randn(s, generator=g, device="cuda").to(dt) for s, dt in shapes]
@@ -180,9 +212,17 @@ def test_scale_and_clip_on_cuda_are_torch_bit_for_bit():
     params = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
     for p, t in zip(params, tensors):
         p.grad = t.clone()
-    ref = _copies(params)
-    assert torch.equal(clip_grad_norm(params, 1.0), torch.nn.utils.clip_grad_norm_(ref, 1.0).float())
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(params, ref))
+    exact = torch.cat([t.double().flatten() for t in tensors]).norm()
+    norm = clip_grad_norm(params, 1.0)
+    assert abs(float(norm) / float(exact) - 1) < 1e-6, (float(norm), float(exact))
+    factor = clip_factor(norm, 1.0)
+    assert all(torch.equal(p.grad, t.clone().mul_(factor)) for p, t in zip(params, tensors))
+    floats = [torch.nn.Parameter(torch.zeros_like(t, dtype=torch.float32)) for t in tensors]
+    for p, t in zip(floats, tensors):
+        p.grad = t.float()
+    ref = _copies(floats)
+    assert torch.equal(clip_grad_norm(floats, 1.0), torch.nn.utils.clip_grad_norm_(ref, 1.0).float())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(floats, ref))
 
 
 def test_scale_and_clip_refusals():
