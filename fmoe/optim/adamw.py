@@ -97,6 +97,9 @@ def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
     return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
+_CANONICAL_NAN = 0x7FC00000  # a quiet NaN's float32 bits: a NaN rounded to bf16 stays one (0x7FC0)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The bit patterns of float32 x as int64 in [0, 2^32)."""
     return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -124,10 +127,11 @@ def stochastic_bits(key: torch.Tensor, salt: int) -> torch.Tensor:
 def round_stochastic_bf16(x: torch.Tensor, key: torch.Tensor, salt: int) -> torch.Tensor:
     """float32 x rounded to bf16 up (in magnitude) when its low 16 bits plus
     stochastic_bits(key, salt) carry into the high half, else down: up with probability the
-    low half's fraction of a bf16 step; NaN kept, inf stays inf."""
+    low half's fraction of a bf16 step; NaN stays NaN (whatever its payload: one only in
+    the low half, cut off, would read inf), inf stays inf."""
     bits = _bits(x)
     up = (bits + stochastic_bits(key, salt)) & 0xFFFF0000
-    bits = torch.where(x.isnan(), bits, up)
+    bits = torch.where(x.isnan(), _CANONICAL_NAN, up)
     return ((bits >> 16).to(torch.int32) << 16).view(torch.float32).to(torch.bfloat16)  # exact: the low half is 0
 
 
@@ -168,11 +172,12 @@ def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, ep
 
 @triton.jit
 def _round_to(x, TY: tl.constexpr):
-    """float32 x rounded to nearest even in TY. bf16 by bit arithmetic, NaN kept: the
-    interpreter's plain cast truncates, a GPU's rounds; this rounds on both."""
+    """float32 x rounded to nearest even in TY. bf16 by bit arithmetic, NaN a quiet NaN
+    0x7FC0 (a payload only in the low half, cut off, would read inf): the interpreter's plain
+    cast truncates, a GPU's rounds; this rounds on both."""
     if TY == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = tl.where(x != x, bits, bits + 0x7FFF + ((bits >> 16) & 1))
+        bits = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(TY)
@@ -191,7 +196,7 @@ def _round_state(x, key, salt, TY: tl.constexpr, STOCHASTIC: tl.constexpr):
         h = h ^ (h >> 15)
         h = h * tl.full(h.shape, 0x846CA68B, tl.uint32)
         h = h ^ (h >> 16)
-        bits = tl.where(x != x, bits, bits + (h & 0xFFFF))
+        bits = tl.where(x != x, 0x7FC00000, bits + (h & 0xFFFF))
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return _round_to(x, TY)

@@ -152,6 +152,12 @@ def test_stochastic_bf16_rounding_is_unbiased_and_keeps_nan_and_inf():
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.5, -2.0, 0.0])
     out = round_stochastic_bf16(special, torch.arange(6), 7).float()
     assert out[0].isnan() and out[1:].tolist() == [float("inf"), -float("inf"), 1.5, -2.0, 0.0]
+    # NaNs whose payload is only in the low half (cut off, 0x7F80 would read inf) and a negative one: torch's bf16 NaN of them
+    nans = torch.tensor([0x7F800001, 0xFF80FFFF - 2**32, 0x7FC00000, 0x7F80FFFF], dtype=torch.int32).view(torch.float32)
+    assert nans.isnan().all()
+    for k in range(50):
+        out = round_stochastic_bf16(nans, torch.arange(4) * 7919 + k, k)
+        assert torch.equal(out.view(torch.int16), nans.bfloat16().view(torch.int16)), out.view(torch.int16)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
