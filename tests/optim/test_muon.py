@@ -279,6 +279,29 @@ def test_split_param_groups_keeps_linear_attention_taps_out_of_muon():
     assert {id(getattr(attn, n)) for n in ("A_log", "dt_bias", "out_norm")} <= no_decay_ids
 
 
+def test_split_param_groups_sends_torch_convolutions_to_adamw():
+    """A torch.nn convolution's weight [out, in, *kernel] is filters, which Muon would take as
+    a batch of kernel-sized matrices: AdamW, decayed (its bias undecayed); a Linear's weight
+    and a 3-D stack of one's own stay in Muon."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv2 = torch.nn.Conv2d(8, 16, 3)
+            self.conv1 = torch.nn.Conv1d(8, 16, 5, bias=False)
+            self.up = torch.nn.ConvTranspose1d(4, 4, 2)
+            self.lazy = torch.nn.LazyConv2d(4, 3)
+            self.proj = torch.nn.Linear(8, 16)
+            self.stack = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    net = Net()
+    net.lazy(torch.zeros(1, 2, 5, 5))  # its shapes, once it has seen an input
+    muon, adamw = split_param_groups(net, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    assert muon_ids == {id(net.proj.weight), id(net.stack)}
+    assert decay_ids == {id(m.weight) for m in (net.conv2, net.conv1, net.up, net.lazy)}
+    assert {id(net.conv2.bias), id(net.up.bias), id(net.proj.bias)} <= no_decay_ids
+
+
 @pytest.mark.parametrize("qk_norm, bias", [("head_layer", False), ("head_layer", True), ("layer", True)])
 def test_split_param_groups_keeps_per_head_qk_norms_out_of_muon_and_decay(qk_norm, bias):
     """The q/k LayerNorms' weights (and biases) per head [heads, D] (Cohere's, Chameleon's) or
