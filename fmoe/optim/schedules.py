@@ -211,7 +211,9 @@ def parse_batch_schedule(schedule: str) -> list[tuple[int, int]]:
 
     Thresholds take a K/M/B/T suffix (1e3, 1e6, 1e9, 1e12) and may be decimal as long as the
     token count is a whole number (1.5M yes, 1.0000005K no); batches are plain positive
-    integers. The first threshold must be 0 and the rest strictly increase.
+    integers. The first threshold must be 0 and the rest strictly increase. Megatron's
+    --step-batch-size-schedule has this form, but there the batch is the global batch in
+    samples (train_moe reads micro-batches per step) and lower-case suffixes and commas pass.
 
     >>> parse_batch_schedule("0:32 1.5M:64 2B:128")
     [(0, 32), (1500000, 64), (2000000000, 128)]
