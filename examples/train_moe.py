@@ -127,7 +127,8 @@ class Config:
     stop_after_minutes: float = 0.0  # stop, with a checkpoint, after the first step that ends this long after the start
                                     # (a job's wall-clock limit less a step, a checkpoint and a margin); 0: no limit
     stop_signals: str = "SIGTERM,SIGUSR1"  # these signals stop the run after its step, with a checkpoint (a scheduler's
-                                    # preemption or limit; a second one acts as usual); "": none
+                                    # preemption or limit; the same one again within 5 s is the same request, a
+                                    # later one acts as usual); "": none
     seed: int = 0                   # the model's initialisation and the data's order
     out_dir: str = "out/train_moe"  # config.json, metrics.jsonl and the step_N checkpoints (metrics' mfu is over the GPU's
                                     # datasheet dense bf16 peak, config.json's peak_flops: null, and mfu null, off CUDA or

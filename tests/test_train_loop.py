@@ -578,7 +578,7 @@ def test_help_lists_every_knob_with_its_type_default_and_comment(knob_exits):
     assert "  --batch_schedule=<str>  (default '0:2 2M:4')\n      micro-batches per step, by tokens consumed\n" in got["out"]
     assert "  --model.n_groups=<int or None>  (default None)\n" in got["out"] and "  --model.mtp_depth=<int>  (default 1)\n" in got["out"]
     words = " ".join(got["out"].split())  # a comment's next lines are part of it
-    assert "(a scheduler's preemption or limit; a second one acts as usual); \"\": none --seed=<int> (default 0)" in words
+    assert "(a scheduler's preemption or limit; the same one again within 5 s is the same request, a later one acts as usual); \"\": none --seed=<int> (default 0)" in words
     assert "\nlosses\n  --mtp_lambda=" in got["out"] and "\nparallelism (under torchrun; fmoe.parallel)" in got["out"]
 
 

@@ -32,9 +32,13 @@ Kubernetes' grace period, torchrun's 30 s after it passes SIGTERM on to its work
 signal asked for ahead of the limit (SLURM's --signal=USR1@300). StopRequests notes such a
 signal, or a time limit passing, so that the loop stops at the end of its step with a
 checkpoint, and --resume continues the run from there. The handler only notes the first
-signal (nothing is cut in the middle: a step, a collective, a checkpoint's write) and puts
-the handler that was there before back, so a second signal acts as it did before (SIGTERM:
-the process ends at once). Ranks can receive the signal at different moments: the loop sums
+signal (nothing is cut in the middle: a step, a collective, a checkpoint's write). The same
+signal again within 5 s is the same request: SLURM signals every process of a job step, and
+torchrun passes the signal it got on to its ranks, so under `srun torchrun` (or scancel, or
+a time limit) each rank gets it twice, milliseconds apart. A second signal after that acts
+as the handler that was there before would (SIGTERM: the process ends), once the process
+runs Python again: a rank waiting in a collective is ended by the launcher's SIGKILL
+(torchrun's 30 s, SLURM's KillWait). Ranks can receive the signal at different moments: the loop sums
 the requests over the ranks with the step's other logged values, so every rank stops after
 the same step.
 """
@@ -223,6 +227,8 @@ class StopRequests:
         signals: signal names, e.g. ("SIGTERM", "SIGUSR1"); () for none.
         minutes: the time limit, > 0; 0 for none.
         start: time.monotonic() at the start the limit counts from (default: now).
+        repeat_seconds: a signal again within this many seconds of its first arrival is the
+            same request, ignored (module docstring); a later one acts as before. >= 0.
 
     Use as a context manager: entering installs the handlers (from the main thread only, as
     Python requires), leaving puts the previous ones back. reason() is None until a stop is
@@ -230,7 +236,8 @@ class StopRequests:
     90 minutes".
     """
 
-    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), minutes: float = 0.0, *, start: Optional[float] = None):
+    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), minutes: float = 0.0, *, start: Optional[float] = None,
+                 repeat_seconds: float = 5.0):
         if not isinstance(signals, (list, tuple)) or not all(isinstance(name, str) for name in signals):
             raise ValueError(f"signals: expected a sequence of signal names like ('SIGTERM', 'SIGUSR1'), got {signals!r}")
         self._signals = list(dict.fromkeys(_signal(name) for name in signals))
@@ -240,8 +247,12 @@ class StopRequests:
         if start is not None and not _finite(start):
             raise ValueError(f"start: expected time.monotonic() at the start (a finite number) or None, got {start!r}")
         self.start = time.monotonic() if start is None else float(start)
+        if not _finite(repeat_seconds) or repeat_seconds < 0:
+            raise ValueError(f"repeat_seconds: expected seconds >= 0 within which a signal again is the same request, got {repeat_seconds!r}")
+        self.repeat_seconds = float(repeat_seconds)
         self.signal: Optional[str] = None  # the first signal received
         self._previous: dict = {}
+        self._first: dict = {}  # signal -> time.monotonic() of its first arrival
 
     def __enter__(self) -> "StopRequests":
         if self._previous:  # entered twice: the inner exit would put back the outer's handler as "previous", and the outer none
@@ -260,11 +271,22 @@ class StopRequests:
         self._previous.clear()
 
     def _note(self, signum, frame) -> None:
-        sig = signal.Signals(signum)
-        if self.signal is None:
-            self.signal = sig.name
-        previous = self._previous.get(sig)
-        signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # a second one acts as before
+        sig, now = signal.Signals(signum), time.monotonic()
+        first = self._first.get(sig)
+        if first is None:  # its first arrival
+            self._first[sig] = now
+            if self.signal is None:
+                self.signal = sig.name
+            return
+        if now - first < self.repeat_seconds:  # the same request again (a launcher's copy of it)
+            return
+        previous = self._previous.get(sig)  # a second request acts as before
+        handler = signal.SIG_DFL if previous is None else previous
+        signal.signal(sig, handler)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(sig)
 
     def reason(self) -> Optional[str]:
         """Why the run should stop after this step, or None."""

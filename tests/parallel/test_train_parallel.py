@@ -480,6 +480,31 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert [r["step"] for r in resumed] == list(range(1, last + 2))
 
 
+def test_a_signal_to_every_process_of_the_job_stops_the_run_with_its_checkpoint(tmp_path):
+    """SIGTERM to torchrun and both ranks at once (SLURM signals every process of a job
+    step on scancel, a time limit or a preemption): torchrun passes its own on, so each rank
+    gets two; the second, milliseconds later, is the same request and the ranks still stop
+    after the same step with its checkpoint (it ended them before, the work since the last
+    checkpoint lost). The ranks exit 0; torchrun itself exits 1, re-raising its signal."""
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        ranks = _ranks_in_the_loop(run, metrics)
+        for pid in (run.pid, *ranks.values()):
+            os.kill(pid, signal.SIGTERM)
+        out, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert sorted(ranks) == [0, 1] and run.returncode == 1 and "SignalException" in err, out[-2000:] + err[-4000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 1000
+    assert f"step {last}: stopping on SIGTERM, with the checkpoint of step {last}" in out, out[-2000:] + err[-4000:]
+    assert checkpoint.latest(tmp_path) == tmp_path / f"step_{last:06d}"  # complete: both ranks wrote their part
+
+
 def test_an_upcycled_run_on_two_ranks_logs_the_one_process_losses(tmp_path):
     """--upcycle_from under EP 2 with FSDP2, with Drop-Upcycling: each rank writes its own
     shards of the upcycled weights (its experts' slices, its blocks of the rest), and the run

@@ -28,7 +28,7 @@ def test_the_first_signal_is_noted_and_the_second_acts_as_before():
     mine = lambda *a: seen.append("previous")  # noqa: E731
     previous_usr1 = signal.signal(signal.SIGUSR1, mine)
     try:
-        with StopRequests(("SIGTERM", "SIGUSR1")) as stop:
+        with StopRequests(("SIGTERM", "SIGUSR1"), repeat_seconds=0) as stop:
             assert stop.reason() is None
             os.kill(os.getpid(), signal.SIGUSR1)
             assert stop.reason() == "SIGUSR1" and seen == []  # noted, the process goes on
@@ -41,6 +41,36 @@ def test_the_first_signal_is_noted_and_the_second_acts_as_before():
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
     assert _handlers() == before  # leaving put every handler back
+
+
+def test_the_same_signal_again_within_repeat_seconds_is_the_same_request():
+    """SLURM signals every process of a job step and torchrun passes its own signal on, so a
+    rank gets SIGTERM twice, milliseconds apart: the copy is not a second request (it ended
+    the rank before its checkpoint); a repeat after repeat_seconds acts as before."""
+    seen = []
+    mine = lambda *a: seen.append("previous")  # noqa: E731
+    previous_usr1 = signal.signal(signal.SIGUSR1, mine)
+    try:
+        with StopRequests(("SIGUSR1",), repeat_seconds=0.5) as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)  # the launcher's copy
+            assert stop.reason() == "SIGUSR1" and seen == [] and signal.getsignal(signal.SIGUSR1) == stop._note
+            time.sleep(0.6)
+            os.kill(os.getpid(), signal.SIGUSR1)  # a second request
+            assert seen == ["previous"] and signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
+    # a second SIGTERM after the window ends the process, as the default handler does
+    code = ("import os, signal, sys, time; from fmoe.train.run import StopRequests\n"
+            "with StopRequests(('SIGTERM',), repeat_seconds=0.3) as stop:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    print('alive', stop.reason(), flush=True); time.sleep(0.4)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM); print('not ended', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "alive SIGTERM\n", (done.returncode, done.stdout, done.stderr)
+    for bad in (-1, float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="repeat_seconds: expected seconds >= 0"):
+            StopRequests(("SIGTERM",), repeat_seconds=bad)
 
 
 def test_leaving_puts_the_handlers_back_when_no_signal_came():
