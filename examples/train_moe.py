@@ -71,7 +71,7 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import (OutDirInUse, OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, set_deterministic,
+from fmoe.train.run import (OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, set_deterministic,
                             write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
@@ -517,7 +517,7 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         try:
             out_dir_lock = OutDirLock(cfg.out_dir)
-        except OutDirInUse as err:
+        except ValueError as err:  # OutDirInUse, or a directory that cannot be written
             held = str(err)
         for name in ("config.json", "metrics.jsonl"):  # refused before anything is written through them
             try:

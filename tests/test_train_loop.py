@@ -67,6 +67,40 @@ def test_a_second_run_in_an_out_dir_that_a_run_holds_is_refused(tmp_path):
     assert not (tmp_path / "made").exists()  # made by the lock, still empty: removed (a refused run leaves no out_dir)
 
 
+def test_an_out_dir_that_cannot_be_written_is_refused_at_the_start(tmp_path, monkeypatch):
+    """A read-only mount passes mkdir and flock, so the run read its data and built its model
+    before metrics.jsonl failed with a traceback; and where the mkdir itself failed, the lock's
+    __del__ raised an AttributeError too. Now one line at the start, from the lock."""
+    import errno
+    import tempfile
+
+    from fmoe.train.run import OutDirLock
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    real = tempfile.TemporaryFile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(ValueError, match=f"^--out_dir: {tmp_path / 'ro'} cannot be written: Read-only file system$"):
+        OutDirLock(tmp_path / "ro")
+    assert not (tmp_path / "ro").exists()  # made by the lock, removed again
+    monkeypatch.setattr(tempfile, "TemporaryFile", real)
+    (tmp_path / "file").write_text("x")
+    for out, said in ((tmp_path / "file" / "run", "cannot be made: Not a directory"), (tmp_path / "file", "exists and is not a directory")):
+        with pytest.raises(ValueError, match=f"^--out_dir: {out} {said}$"):
+            OutDirLock(out)
+    import gc
+
+    gc.collect()
+    assert unraisable == []  # no __del__ of a half-made lock raised
+    run = _train(pathlib.Path("/sys/fmoe_out_dir"), "--steps=2")  # sysfs takes no directory of ours, root's either
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("--out_dir: /sys/fmoe_out_dir cannot be made: "), run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and "step 1" not in run.stdout
+
+
 def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):
     """A run directory from elsewhere whose config.json or metrics.jsonl links to another
     file (a shell's rc file): --resume wrote its metrics through the link, emptying that

@@ -56,6 +56,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -140,13 +141,24 @@ class OutDirLock:
     checkpoint as it was written. The lock is seen by every process of one machine; a network
     file system passes it on only where it supports flock. A directory the lock made is
     removed again at release where it is still empty (a run refused before writing anything
-    leaves no out_dir behind)."""
+    leaves no out_dir behind). A ValueError naming the directory where it cannot be made or
+    written (a read-only file system, no permission, a file of that name): found at the start,
+    not at the run's first write, after its data and weights were read."""
 
     def __init__(self, out_dir):
+        self._fd: Optional[int] = None
         path = Path(check_path("out_dir", out_dir))
         self._path, self._made = path, not path.exists()
-        path.mkdir(parents=True, exist_ok=True)
-        self._fd: Optional[int] = os.open(path, os.O_RDONLY)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"--out_dir: {out_dir} exists and is not a directory")
+        for doing, act in (("made", lambda: path.mkdir(parents=True, exist_ok=True)),
+                           ("written", lambda: tempfile.TemporaryFile(dir=path).close())):  # a read-only mount passes mkdir and flock
+            try:
+                act()
+            except OSError as err:
+                self.release()
+                raise ValueError(f"--out_dir: {out_dir} cannot be {doing}: {err.strerror or err}") from None
+        self._fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -158,11 +170,12 @@ class OutDirLock:
         if self._fd is not None:
             os.close(self._fd)  # the lock goes with the descriptor
             self._fd = None
-            if self._made:
-                try:
-                    self._path.rmdir()  # only where nothing was written into it
-                except OSError:
-                    pass
+        if self._made:
+            self._made = False
+            try:
+                self._path.rmdir()  # only where nothing was written into it
+            except OSError:
+                pass
 
     def __del__(self):
         self.release()
