@@ -72,7 +72,7 @@ from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
 from fmoe.train.run import (OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, set_deterministic,
-                            write_config)
+                            unshared_dir, write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -528,6 +528,8 @@ def main(argv: list[str]) -> None:
     if refusal := every_rank(held or (None if earlier is None else (
             f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "
             "that run; for a new one give another --out_dir, or delete them")))[0]:
+        sys.exit(refusal)
+    if refusal := unshared_dir(cfg.out_dir):  # a node's own disk: the first checkpoint failed, its step directory not there
         sys.exit(refusal)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

@@ -416,6 +416,36 @@ def every_rank(refusal: Optional[str], facts=None, differ: Optional[Callable[[li
     return refusal, every
 
 
+def unshared_dir(path, *, wait_seconds: float = 10.0) -> Optional[str]:
+    """Under torch.distributed, called by every rank once rank 0 has made `path` (a run's
+    out_dir): a refusal where some rank does not see a file rank 0 writes there (a node's own
+    disk at the same path, where the run failed at its first checkpoint, the step directory
+    rank 0 made missing on the other nodes), the same on every rank; None where every rank
+    sees it, and on one process. A rank that does not see it at once looks again for up to
+    wait_seconds (a network file system's caches). Rank 0 removes the file again."""
+    import secrets
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    names = [f".fmoe_shared_{secrets.token_hex(8)}" if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:
+        (Path(path) / names[0]).touch()
+    dist.broadcast_object_list(names, src=0)
+    mark = Path(path) / names[0]
+    deadline = time.monotonic() + wait_seconds
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    refusal, _ = every_rank(None if mark.exists() else (
+        f"--out_dir: {path} on {socket.gethostname()} does not hold the file rank 0 wrote in it ({mark.name}): every rank must "
+        "see the same out_dir, on a file system the nodes share, not a node's own disk"))
+    if dist.get_rank() == 0:
+        mark.unlink(missing_ok=True)
+    return refusal
+
+
 def raise_together(error: Optional[BaseException], facts=None, differ: Optional[Callable[[list], str]] = None) -> list:
     """every_rank for an exception a rank caught (None where it read well): `error` raised
     on every rank where any rank has one (another rank's refusal as a ValueError of its

@@ -246,6 +246,35 @@ def test_every_rank_of_one_process_is_its_own():
     assert raised.value is missing
 
 
+def _unshared_case(rank, world, shared, private):
+    from fmoe.train.run import unshared_dir
+
+    same = unshared_dir(shared)
+    dist.barrier()  # rank 0 removed its file
+    left = sorted(p.name for p in pathlib.Path(shared).iterdir())
+    own = unshared_dir(shared if rank == 0 else private, wait_seconds=0.5)  # rank 1 on "its own disk"
+    return same, left, own
+
+
+def test_a_rank_that_does_not_see_rank_0_s_out_dir_is_refused_on_every_rank(tmp_path):
+    """Two nodes whose out_dir is each one's own disk at the same path ran to their first
+    checkpoint and failed there (rank 1: the step directory rank 0 made does not exist, among
+    gloo errors). unshared_dir finds it at the start, on every rank; a shared one passes,
+    leaving nothing behind."""
+    from tests.parallel.dist import run_distributed
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "private").mkdir()
+    results = run_distributed(_unshared_case, 2, str(tmp_path / "shared"), str(tmp_path / "private"))
+    said = (f"rank 1: --out_dir: {tmp_path / 'private'} on {socket.gethostname()} does not hold the file rank 0 wrote in it "
+            "(.fmoe_shared_")
+    for same, left, own in results:
+        assert same is None and left == []
+        assert own.startswith(said) and own.endswith("): every rank must see the same out_dir, on a file system the nodes share, "
+                                                     "not a node's own disk"), own
+    assert results[0][2] == results[1][2] and list((tmp_path / "shared").iterdir()) == []
+
+
 def test_argument_parser_errors_are_system_exits_with_the_message():
     parser = ArgumentParser(prog="tool")
     parser.add_argument("--n", type=int, required=True)
