@@ -1116,8 +1116,14 @@ def main(argv: list[str]) -> None:
                     getattr(opt, "wait", lambda: None)()
                 # every rank holds the same extra (same sampler, same seeds): resumable on any mesh
                 extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
-                with phase("checkpoint"):
-                    checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
+                try:
+                    with phase("checkpoint"):
+                        checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
+                except OSError as err:  # a full disk, a quota, a file-size limit: named by checkpoint.save
+                    logger.close()
+                    newest = checkpoint.latest(cfg.out_dir)
+                    intact = f"the newest checkpoint, {newest}, is intact: --resume starts from it" if newest else "no checkpoint was written yet"
+                    sys.exit(f"{f'rank {rank}: ' if world > 1 else ''}step {step}: {err}; {intact}")
                 if rank == 0:
                     checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
             _report_profile(profiler.end_step(step), rank)

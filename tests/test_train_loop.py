@@ -3,6 +3,7 @@ for bit, torch.compile matches eager, the knobs parse as users type them, bad kn
 
 import ast
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -99,6 +100,25 @@ def test_an_out_dir_that_cannot_be_written_is_refused_at_the_start(tmp_path, mon
     run = _train(pathlib.Path("/sys/fmoe_out_dir"), "--steps=2")  # sysfs takes no directory of ours, root's either
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("--out_dir: /sys/fmoe_out_dir cannot be made: "), run.stderr[-2000:]
     assert "Traceback" not in run.stderr and "step 1" not in run.stdout
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path):
+    """A save that fails with room on the disk (a file-size limit here, as a quota on a shared
+    file system): the run stops naming the step, the cause and the newest intact checkpoint,
+    where torch's writer said "unexpected pos 704 vs 598" under a 30-line traceback."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=4",
+                          "--ckpt_every=2"], capture_output=True, text=True, timeout=900, preexec_fn=limit)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1 and last == (
+        f"step 2: [Errno {errno.EFBIG}] cannot write step_000002 in {tmp_path}: File too large (a write of 1,048,576 bytes into "
+        "step_000002.tmp failed as the save did, CheckpointException); the earlier checkpoints are kept; no checkpoint was written yet"), \
+        run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and [r["step"] for r in _records(tmp_path)] == [1, 2]
 
 
 def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):

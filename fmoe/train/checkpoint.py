@@ -328,10 +328,14 @@ def _disk_full_named(tmp: Path):
     FULL_DISK_BYTES free, or less than a checkpoint takes (the newest complete one's size
     beside it, less what was written): an OSError(ENOSPC) saying so (torch's writers said "[enforce fail at
     inline_container.cc] unexpected pos" or a CheckpointException), the error it replaces
-    chained. Other failures pass as they are."""
+    chained. Otherwise a write of FULL_DISK_BYTES into `tmp` that fails names its cause (a
+    disk quota, a file-size limit, an I/O error: torch's message was the same "unexpected
+    pos", naming neither) as an OSError of that errno; other failures pass as they are, with
+    a note naming the checkpoint."""
     try:
         yield
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        step = tmp.name.removesuffix(".tmp")
         try:
             free = shutil.disk_usage(tmp).free
             written, newest = _bytes_in(tmp), latest(tmp.parent)
@@ -339,6 +343,18 @@ def _disk_full_named(tmp: Path):
         except OSError:
             raise err from None
         if free >= FULL_DISK_BYTES and free + written >= needed:
+            probe = tmp / f".write_probe_rank{_rank()}"
+            try:
+                with open(probe, "wb") as f:
+                    f.write(bytes(FULL_DISK_BYTES))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as cause:
+                raise OSError(cause.errno, f"cannot write {step} in {tmp.parent}: {cause.strerror} (a write of {FULL_DISK_BYTES:,} bytes "
+                              f"into {tmp.name} failed as the save did, {type(err).__name__}); the earlier checkpoints are kept") from err
+            finally:
+                probe.unlink(missing_ok=True)
+            err.add_note(f"fmoe: while saving {step} in {tmp.parent} (left as {tmp.name}; the earlier checkpoints are kept)")
             raise
         raise OSError(errno.ENOSPC, f"no space left to save {tmp.name.removesuffix('.tmp')} in {tmp.parent}: {free:,} bytes free after "
                       f"{written:,} bytes of it were written ({type(err).__name__}); the earlier checkpoints are kept, and a save needs room "

@@ -2,7 +2,12 @@
 their handles, errors."""
 
 import dataclasses
+import errno
+import os
+import pathlib
 import random
+import subprocess
+import sys
 import time
 import warnings
 
@@ -14,6 +19,8 @@ import fmoe.optim
 from fmoe.layers import MoEConfig
 from fmoe.model import MoE
 from fmoe.train import checkpoint as ckpt
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _build():
@@ -161,7 +168,6 @@ def test_a_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
     "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"); the earlier
     checkpoint stays the newest. With room on the disk the error passes as it is."""
     import collections
-    import errno
 
     model, opts = _build()
     _train(model, opts, 1)
@@ -179,13 +185,37 @@ def test_a_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
     assert raised.value.errno == errno.ENOSPC and "unexpected pos" in str(raised.value.__cause__)
     assert ckpt.latest(tmp_path) == tmp_path / "step_000010"
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 0, 10**9))
-    with pytest.raises(RuntimeError, match="unexpected pos"):
+    with pytest.raises(RuntimeError, match="unexpected pos") as raised:
         ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+    assert raised.value.__notes__ == [f"fmoe: while saving step_000020 in {tmp_path} (left as step_000020.tmp; the earlier checkpoints are kept)"]
+    assert sorted(p.name for p in (tmp_path / "step_000020.tmp").iterdir()) == ["extra_rank0.pt"]  # the write probe removed
     # DCP's own CheckpointException (a BaseException) from a full disk: named too
     monkeypatch.setattr(ckpt.dcp, "save", lambda *a, **k: (_ for _ in ()).throw(ckpt.CheckpointException("write failed", {})))
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 0))
     with pytest.raises(OSError, match=r"no space left to save step_000020 .* \(CheckpointException\)"):
         ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+
+
+def test_a_save_that_cannot_write_for_another_cause_names_it(tmp_path):
+    """A save that fails with room on the disk (a disk quota on a shared file system, here a
+    file-size limit, whose EFBIG a quota's EDQUOT stands for): torch's writer said "unexpected
+    pos 704 vs 598", naming neither the checkpoint nor the cause. Now an OSError of the
+    cause's errno naming both; the earlier checkpoint stays the newest."""
+    code = ("import resource, sys\n"
+            "from tests.train.test_checkpoint import _build, _train, ckpt\n"
+            "model, opts = _build(); _train(model, opts, 1)\n"
+            f"ckpt.save({str(tmp_path)!r}, 10, model=model, optimizers=opts)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (32768, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+            "try:\n"
+            f"    ckpt.save({str(tmp_path)!r}, 20, model=model, optimizers=opts)\n"
+            "except OSError as err:\n"
+            "    print(err.errno, err, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"{errno.EFBIG} [Errno {errno.EFBIG}] cannot write step_000020 in {tmp_path}: File too large (a write of "
+                                  "1,048,576 bytes into step_000020.tmp failed as the save did"), done.stdout + done.stderr[-2000:]
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000010"
 
 
 def test_prune_keeps_newest_and_every(tmp_path):
