@@ -143,7 +143,8 @@ class Config:
                                     # starts from its weights (fmoe.train.upcycle)
     upcycle_drop: float = 0.0       # Drop-Upcycling: this fraction of each expert's channels drawn afresh (0: the exact start)
     train_only: str = ""            # a regex: only the parameters whose names it matches train, the others stay frozen
-                                    # ('' : all train); e.g. '[.]index_' trains DeepSeek sparse attention's indexers alone
+                                    # ('' : all train; a MoE layer's expert bias moves where it names the layer's router);
+                                    # e.g. '[.]index_' trains DeepSeek sparse attention's indexers alone
     ckpt_every: int = 100           # a checkpoint every this many steps, and always after the last
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -1037,9 +1038,11 @@ def main(argv: list[str]) -> None:
                 for opt in optimizers:
                     opt.step(**step_kwargs)
                     opt.zero_grad(set_to_none=True)
-                # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
+                # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts (--train_only: the layers
+                # whose router trains; a frozen layer's routing stays as it was)
                 if model_cfg.expert_bias and cfg.bias_rate:
-                    for name, moe in (layer for part in parts for layer in part.moe_layers().items() if "expert_bias" in layer[1]._buffers):
+                    for name, moe in (layer for part in parts for layer in part.moe_layers().items()
+                                      if "expert_bias" in layer[1]._buffers and layer[1].router.requires_grad):
                         moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
                                                                      proportional=cfg.bias_update == "proportional"))
 

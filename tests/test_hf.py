@@ -3242,6 +3242,9 @@ def test_the_loop_warms_up_fresh_indexers_on_a_deepseek_v3_model(tmp_path):
     hf.load_weights(start, tmp_path / "hf", model_type="deepseek_v3")
     moved = {name for name, p in trained.named_parameters() if not torch.equal(p, start.get_parameter(name))}
     assert moved and all(".index_" in name for name in moved), sorted(moved)[:5]
+    # the frozen MoE layers' expert biases too (each step's bias update moved them: their routing drifted)
+    biases = {name: b for name, b in trained.named_buffers() if name.endswith("expert_bias")}
+    assert biases and all(torch.equal(b, start.get_buffer(name)) for name, b in biases.items())
     # written as a DeepSeek-V3.2 folder (not as the DeepSeek-V3 folder's config, which it no longer fits) that transformers reads
     import sys
 
