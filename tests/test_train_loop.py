@@ -121,6 +121,22 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path)
     assert "Traceback" not in run.stderr and [r["step"] for r in _records(tmp_path)] == [1, 2]
 
 
+def test_a_resume_with_another_train_only_names_it(tmp_path):
+    """--resume with a --train_only other than the run's (or none): refused naming the knob and
+    the run's value (it failed in the optimizers' load, naming 200 of their state entries and
+    a Python function); the same one resumes."""
+    first = _train(tmp_path, "--steps=3", "--stop_at=2", "--ckpt_every=2", "--train_only=blocks[.]1[.]")
+    assert first.returncode == 0, first.stderr[-2000:]
+    for extra, here in (([], ""), (["--train_only=blocks"], "blocks")):
+        run = _train(tmp_path, "--steps=3", "--resume", *extra)
+        assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+            f"--resume: the run in {tmp_path} trained with --train_only='blocks[.]1[.]' (here {here!r}); a resumed run trains the "
+            "parameters it did, whose optimizer state its checkpoint holds: give the same --train_only, or start a new run from its "
+            "weights with --init_from"), run.stderr[-2000:]
+    run = _train(tmp_path, "--steps=3", "--resume", "--train_only=blocks[.]1[.]")
+    assert run.returncode == 0 and [r["step"] for r in _records(tmp_path)] == [1, 2, 3], run.stderr[-2000:]
+
+
 def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):
     """A run directory from elsewhere whose config.json or metrics.jsonl links to another
     file (a shell's rc file): --resume wrote its metrics through the link, emptying that
