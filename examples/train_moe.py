@@ -136,8 +136,9 @@ class Config:
     resume: bool = False            # continue the run in out_dir from its newest checkpoint
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
-                                    # and weights; only the --model.* knobs of how it runs and trains apply (mtp_depth,
-                                    # impl, ac, fp8*, capacity_*, index_loss_coeff, moa_aux_coeff, init_std), the others are refused
+                                    # and weights; only the --model.* knobs of how it runs and trains apply (mtp_depth: the
+                                    # folder's own unless given; impl, ac, fp8*, capacity_*, index_loss_coeff, moa_aux_coeff,
+                                    # init_std), the others are refused
     upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (fmoe.hf.DENSE_FAMILIES): its model,
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
@@ -433,8 +434,9 @@ def main(argv: list[str]) -> None:
                 sys.exit(f"--model.{name}={value}: the model of --init_from_hf keeps its own architecture ({name} = "
                          f"{getattr(hf_model, name)} in its config.json); the knobs that apply on top of it: "
                          + ", ".join(f"--model.{n}" for n in on_top))
-        try:  # the run knobs at the loop's defaults (its MTP depth, ...) unless given
-            cfg.model = dataclasses.replace(hf_model, **{name: getattr(cfg.model, name) for name in HF_RUN_KNOBS}
+        try:  # the run knobs at the loop's defaults unless given, but the MTP depth the folder's own (the depths it holds, loaded:
+            # none for most families), where the loop's default of 1 trained a fresh module whose loss reached the released trunk
+            cfg.model = dataclasses.replace(hf_model, **{name: getattr(cfg.model, name) for name in RUN_KNOBS}
                                             | {name: value for name, value in overrides.items() if name in on_top})
         except ValueError as err:
             sys.exit(f"model knobs: {err}")

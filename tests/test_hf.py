@@ -3186,6 +3186,14 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run2'}", f"--init_from_hf={small}"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+    # the MTP depth is the folder's own (none), not the loop's default of 1: a fresh module's loss trained the released trunk
+    run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run3'}",
+                          f"--init_from_hf={tmp_path / 'hf'}", "--steps=1", "--tokens_per_micro_batch=64", "--batch_schedule=0:1",
+                          "--eval_every=2", "--eval_batches=1", "--model.impl=torch"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "run3" / "metrics.jsonl").read_text())
+    assert json.loads((tmp_path / "run3" / "config.json").read_text())["config"]["model"]["mtp_depth"] == 0
+    assert record["loss"] == pytest.approx(records[0]["loss"], rel=1e-6) and not any(k.startswith("mtp") for k in record), sorted(record)
 
 
 def test_the_loop_fine_tunes_a_loaded_deepseek_v4_model(tmp_path):
