@@ -779,6 +779,11 @@ def main(argv: list[str]) -> None:
             print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
                   f"1/{granularity(model_cfg, dense_cfg)} of its FFN" + (f", {cfg.upcycle_drop:.0%} of each one's channels drawn afresh"
                                                                           if cfg.upcycle_drop else ""))
+            if model_cfg.capacity_factor is not None:  # the fresh router rows send most tokens to one group at first
+                print(f"note: --model.capacity_factor={model_cfg.capacity_factor:g} drops the slots past each expert's capacity, so the "
+                      "upcycled model does not start as the dense model's function: its fresh routers send most tokens to a few experts "
+                      "at first (one run dropped 69% of the slots at step 1); train without a capacity until the loads even out",
+                      flush=True)
         del dense_state
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     try:

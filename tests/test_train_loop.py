@@ -478,6 +478,13 @@ def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
     for key in ("loss", "mtp_1_loss"):
         assert upcycled[0][key] == pytest.approx(reference[0][key], rel=1e-5), key
     assert upcycled[1]["loss"] != pytest.approx(reference[1]["loss"], rel=1e-5)  # then two different models train
+    assert "note: --model.capacity_factor" not in run.stdout
+    # with a capacity factor the start is not the dense function (its fresh routers crowd the tokens): said at the start
+    capped = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'capped'}", *loop_knobs,
+                             "--steps=1", "--warmup=0", f"--upcycle_from={tmp_path / 'dense'}", *moe_knobs, "--model.capacity_factor=1.25"],
+                            capture_output=True, text=True, timeout=900)
+    assert capped.returncode == 0 and "note: --model.capacity_factor=1.25 drops the slots past each expert's capacity, so the upcycled " \
+        "model does not start as the dense model's function" in capped.stdout, capped.stdout[-2000:] + capped.stderr[-2000:]
     model = json.loads((tmp_path / "moe" / "config.json").read_text())["config"]["model"]
     assert (model["hidden"], model["n_layers"], model["n_dense"], model["n_experts"], model["ffn_dense"]) == (32, 2, 1, 4, 64)
     assert model["n_heads"] == 2 and model["mtp_depth"] == 1  # the dense run's (TINY's), not the defaults
