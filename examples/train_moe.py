@@ -748,7 +748,14 @@ def main(argv: list[str]) -> None:
         try:
             path = checkpoint.load_model(cfg.init_from, model=parts)
         except (FileNotFoundError, RuntimeError, ValueError) as err:
-            sys.exit(f"--init_from: {err}")
+            said = str(err).removeprefix("path: ")
+            try:  # a dense run's weights into an MoE: the tool for that is --upcycle_from
+                saved = checkpoint.run_config(cfg.init_from)[0]
+                if all(not saved.is_moe(i) for i in range(saved.n_layers)) and any(model_cfg.is_moe(i) for i in range(model_cfg.n_layers)):
+                    said += f"; to start an MoE from a dense run's weights: --upcycle_from={cfg.init_from}"
+            except (OSError, ValueError):
+                pass
+            sys.exit(f"--init_from: {said}")
         if rank == 0:
             print(f"initialised from the weights of {path}")
             try:  # knobs that leave the shapes as they were load, and make another model of the weights: said, not refused

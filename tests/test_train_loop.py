@@ -243,7 +243,8 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
             "continues its model") in run.stderr, run.stderr[-3000:]
     run = _train(tmp_path / "other", "--steps=12", f"--init_from={parts}", "--model.zero_experts=2")
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert "--init_from: path: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
+    assert "--init_from: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
+    assert "--upcycle_from" not in run.stderr  # the saved model is an MoE already
     assert "the saving run's model has zero_experts=0 (here 2)" in run.stderr, run.stderr[-3000:]
     # knobs that keep the shapes load, and are named: the weights make another function (nothing said before)
     run = _train(tmp_path / "other_k", "--steps=1", "--warmup=0", f"--init_from={parts}", "--model.k=3", "--model.route_scale=2.0")
@@ -472,6 +473,10 @@ def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
                              "--steps=1", f"--upcycle_from={tmp_path / 'dense'}"], capture_output=True, text=True, timeout=900)
     assert forgot.returncode != 0 and "--upcycle_from: the model made from it has no MoE layer: set --model.n_dense below its 2 layers" \
         in forgot.stderr
+    # --init_from of the dense run into the MoE model: refused, pointing to --upcycle_from
+    wrong = _train(tmp_path / "wrong", "--steps=1", "--warmup=0", f"--init_from={tmp_path / 'dense'}")
+    assert wrong.returncode == 1 and wrong.stderr.strip().splitlines()[-1].startswith("--init_from: the model of ")
+    assert wrong.stderr.strip().endswith(f"; to start an MoE from a dense run's weights: --upcycle_from={tmp_path / 'dense'}"), wrong.stderr[-2000:]
     same = _train(tmp_path / "same", "--steps=2", "--warmup=0", "--model.n_dense=2", f"--init_from={tmp_path / 'dense'}")
     assert same.returncode == 0, same.stderr[-3000:]
     upcycled, reference = _records(tmp_path / "moe"), _records(tmp_path / "same")
@@ -604,7 +609,7 @@ BAD_KNOBS = [
     (["--eval_batches=100000"], "--eval_batches=100000: the validation split (5% of the documents) is too small (data: source "
                                 "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches "
                                 "(0: no validation) or raise --val_percent"),
-    (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
+    (["--init_from=/no/such/run"], "--init_from: '/no/such/run' does not exist"),
     ([f"--out_dir={ROOT / 'pyproject.toml'}"], f"--out_dir: {ROOT / 'pyproject.toml'} exists and is not a directory"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
     (["--stop_signals=SIGTERM,SIGKILL"], "--stop_signals: signals: expected names of signals a process can catch (e.g. SIGTERM, "
