@@ -700,11 +700,18 @@ def main(argv: list[str]) -> None:
 
     step, tokens_seen = 0, 0
     # a resumed run: rank 0 removes the .tmp folders of saves a stop interrupted (no save is in flight yet)
+    partial = sorted(p.name for p in Path(cfg.out_dir).glob("step_*.tmp")) if cfg.resume else []  # interrupted saves, removed
     path = checkpoint.latest(cfg.out_dir, delete_partial=rank == 0) if cfg.resume else None
     if cfg.resume and (refusal := every_rank(None, None if path is None else str(path), lambda found: (  # each rank listed out_dir
             f"--resume: the ranks found different newest checkpoints in {cfg.out_dir} ("
             + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files"))[0]):
         sys.exit(refusal)
+    if cfg.resume and path is None and rank == 0:  # a requeued job's first start, or an out_dir of another name: said, not silent
+        logged = Path(cfg.out_dir) / "metrics.jsonl"
+        steps = sum(1 for line in logged.read_text().splitlines() if line.strip()) if logged.is_file() else 0
+        print(f"--resume: no complete checkpoint in {cfg.out_dir}: a new run from step 1"
+              + (f" (the partial {', '.join(partial)} of an interrupted save removed)" if partial else "")
+              + (f"; the {steps} steps its metrics.jsonl logged start again" if steps else ""), flush=True)
     if path:
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:

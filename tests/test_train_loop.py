@@ -121,6 +121,21 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path)
     assert "Traceback" not in run.stderr and [r["step"] for r in _records(tmp_path)] == [1, 2]
 
 
+def test_a_resume_without_a_checkpoint_says_it_starts_a_new_run(tmp_path):
+    """--resume in an out_dir without a complete checkpoint (a job killed in its first save, or
+    a typo in --out_dir) started a new run without a word, removing the partial save and the
+    logged steps: now the start says so."""
+    (tmp_path / "step_000004.tmp").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    run = _train(tmp_path, "--steps=1", "--warmup=0", "--resume")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (f"--resume: no complete checkpoint in {tmp_path}: a new run from step 1 (the partial step_000004.tmp of an interrupted "
+            "save removed); the 2 steps its metrics.jsonl logged start again\n") in run.stdout, run.stdout[-2000:]
+    assert not (tmp_path / "step_000004.tmp").exists() and [r["step"] for r in _records(tmp_path)] == [1]
+    fresh = _train(tmp_path / "new", "--steps=1", "--warmup=0", "--resume")
+    assert f"--resume: no complete checkpoint in {tmp_path / 'new'}: a new run from step 1\n" in fresh.stdout, fresh.stdout[-2000:]
+
+
 def test_a_resume_with_another_train_only_names_it(tmp_path):
     """--resume with a --train_only other than the run's (or none): refused naming the knob and
     the run's value (it failed in the optimizers' load, naming 200 of their state entries and
