@@ -218,7 +218,10 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     import torch, triton  # noqa: E401
 
     assert config["run"]["torch"] == torch.__version__ and config["run"]["triton"] == triton.__version__
-    assert "git_commit" in config["run"] and config["run"]["fmoe"]
+    assert "git_commit" in config["run"] and config["run"]["fmoe"] and config["run"]["git_dirty"] in (True, False, None)
+    run = config["run"]  # how it was started: the command line, the threads, the launcher's variables, when
+    assert run["argv"][0] == str(ROOT / "examples" / "train_moe.py") and "--steps=30" in run["argv"] and run["threads"] >= 1
+    assert isinstance(run["env"], dict) and run["started"].endswith("+00:00") and "earlier_runs" not in config
 
 
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
@@ -231,6 +234,9 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert not (parts / "step_000007.tmp").exists()
     assert "resumed from" in second.stdout and "step_000006" in second.stdout
+    segments = json.loads((parts / "config.json").read_text())  # each segment's run record: the first kept
+    assert [r["argv"] for r in segments["earlier_runs"]] == [[str(ROOT / "examples" / "train_moe.py"), *first.args[2:]]]
+    assert "--resume" in segments["run"]["argv"]
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
     # a resumed run at its last step says so and exits 0 (a job queued again); a new run refuses the earlier run's

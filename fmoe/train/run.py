@@ -78,36 +78,57 @@ def set_deterministic(enabled: bool = True) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _git_commit(package: Path) -> Optional[str]:
-    """HEAD of the git checkout whose top level holds `package` (fmoe's source tree), or None:
-    a package installed inside another repository (a project's .venv) is not its checkout."""
+def _git_state(package: Path) -> tuple[Optional[str], Optional[bool]]:
+    """(HEAD, whether tracked files differ from it) of the git checkout whose top level holds
+    `package` (fmoe's source tree), or (None, None): a package installed inside another
+    repository (a project's .venv) is not its checkout."""
     try:
         run = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return None, None
     lines = run.stdout.split("\n")
     if run.returncode != 0 or len(lines) < 2 or Path(lines[0]).resolve() != package.parent:
-        return None
-    return lines[1].strip()
+        return None, None
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package.parent, capture_output=True,
+                                text=True, timeout=30)
+        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        dirty = None
+    return lines[1].strip(), dirty
+
+
+_LAUNCH_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "SLURM_JOB_ID")  # recorded where set
 
 
 def run_info() -> dict:
-    """torch, triton and fmoe versions, the git commit of fmoe's source tree (None outside a
-    git checkout of fmoe's own: installed inside another repository, a project's .venv, too),
-    Python, the host, the working directory (what relative paths among the knobs are relative
-    to) and whether CUDA is available (and which GPU)."""
+    """torch, triton and fmoe versions, the git commit of fmoe's source tree and whether its
+    tracked files differ from it (both None outside a git checkout of fmoe's own: installed
+    inside another repository, a project's .venv, too), Python, the host, the working
+    directory (what relative paths among the knobs are relative to), whether CUDA is
+    available (and which GPU), the command line (sys.argv), torch's CPU threads (a
+    --deterministic run is the same on the same thread count), the launcher's variables that
+    are set (world size, torchrun's run id, OMP_NUM_THREADS, SLURM's job id) and the UTC time."""
+    import datetime
+
     import triton
 
+    commit, dirty = _git_state(Path(fmoe.__file__).resolve().parent)
     return {
         "torch": torch.__version__,
         "triton": triton.__version__,
         "fmoe": fmoe.__version__,
-        "git_commit": _git_commit(Path(fmoe.__file__).resolve().parent),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "python": platform.python_version(),
         "host": platform.node(),
         "cwd": os.getcwd(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "argv": list(sys.argv),
+        "threads": torch.get_num_threads(),
+        "env": {name: os.environ[name] for name in _LAUNCH_ENV if name in os.environ},
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
@@ -194,14 +215,25 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     """Write <out_dir>/config.json: {"config": config, **extra, "run": run_info()} (config:
     every knob, e.g. dataclasses.asdict of the loop's Config), strict JSON: a non-finite
     float is written as the string "inf", "-inf" or "nan" (NON_FINITE; float() reads each
-    back). Returns the path."""
+    back). Where config.json already holds a run (a resumed run writes it again), that run's
+    record is kept, with those before it, in "earlier_runs" (oldest first): which code and
+    machine trained each segment. Returns the path."""
     if not isinstance(config, dict):
         raise ValueError(f"config: expected a dict of knobs, got {type(config).__name__}")
     out_dir = Path(check_path("out_dir", out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
     refuse_link(path)
-    record = json.loads(json.dumps({"config": config, **extra, "run": run_info()}, default=str))  # default's strings first
+    try:
+        before = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError, RecursionError):
+        before = {}
+    earlier = []
+    if isinstance(before, dict) and isinstance(before.get("run"), dict):
+        kept = before.get("earlier_runs")
+        earlier = [*(kept if isinstance(kept, list) else []), before["run"]]
+    record = {"config": config, **extra, "run": run_info(), **({"earlier_runs": earlier} if earlier else {})}
+    record = json.loads(json.dumps(record, default=str))  # default's strings first
     path.write_text(json.dumps(_strict(record), indent=2, allow_nan=False) + "\n")
     return path
 
