@@ -278,7 +278,10 @@ class StopRequests:
     Use as a context manager: entering installs the handlers (from the main thread only, as
     Python requires), leaving puts the previous ones back. reason() is None until a stop is
     requested, then the signal's name or the time limit, e.g. "SIGTERM" or "the time limit of
-    90 minutes".
+    90 minutes"; under torchrun (TORCHELASTIC_RUN_ID set) also its launcher's end: the
+    torchrun process that started this rank (its parent when made) is gone, killed without
+    passing a signal on (SIGKILL, the OOM killer), where its ranks trained on as orphans to
+    the end of the run.
     """
 
     def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), minutes: float = 0.0, *, start: Optional[float] = None,
@@ -298,6 +301,8 @@ class StopRequests:
         self.signal: Optional[str] = None  # the first signal received
         self._previous: dict = {}
         self._first: dict = {}  # signal -> time.monotonic() of its first arrival
+        # a torchrun rank's launcher: when it dies (SIGKILL, the OOM killer) its ranks are orphans that trained on to the end
+        self._launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
 
     def __enter__(self) -> "StopRequests":
         if self._previous:  # entered twice: the inner exit would put back the outer's handler as "previous", and the outer none
@@ -339,6 +344,8 @@ class StopRequests:
             return self.signal
         if self.minutes and time.monotonic() - self.start >= 60 * self.minutes:
             return f"the time limit of {self.minutes:g} minutes"
+        if self._launcher is not None and os.getppid() != self._launcher:
+            return f"its launcher's end (torchrun, pid {self._launcher}, is gone)"
         return None
 
 

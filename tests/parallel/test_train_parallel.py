@@ -505,6 +505,31 @@ def test_a_signal_to_every_process_of_the_job_stops_the_run_with_its_checkpoint(
     assert checkpoint.latest(tmp_path) == tmp_path / f"step_{last:06d}"  # complete: both ranks wrote their part
 
 
+def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(tmp_path):
+    """torchrun SIGKILLed (the OOM killer, a lost agent) passes no signal on: its ranks trained
+    on as orphans to the end of the run. They now take the launcher's end as a stop request:
+    both stop after the same step, with its checkpoint."""
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=100000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = {}
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        ranks = _ranks_in_the_loop(run, metrics)
+        run.kill()
+        out, err = run.communicate(timeout=300)  # the ranks hold the pipes: read until they end
+    finally:
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    last = steps[-1]
+    assert sorted(ranks) == [0, 1] and steps == list(range(1, last + 1)) and last < 100000, out[-2000:] + err[-4000:]
+    assert f"step {last}: stopping on its launcher's end (torchrun, pid {run.pid}, is gone), with the checkpoint of step {last}" in out, \
+        out[-2000:] + err[-4000:]
+    assert checkpoint.latest(tmp_path) == tmp_path / f"step_{last:06d}"
+
+
 def test_an_upcycled_run_on_two_ranks_logs_the_one_process_losses(tmp_path):
     """--upcycle_from under EP 2 with FSDP2, with Drop-Upcycling: each rank writes its own
     shards of the upcycled weights (its experts' slices, its blocks of the rest), and the run

@@ -73,6 +73,31 @@ def test_the_same_signal_again_within_repeat_seconds_is_the_same_request():
             StopRequests(("SIGTERM",), repeat_seconds=bad)
 
 
+def test_a_torchrun_rank_whose_launcher_is_gone_is_asked_to_stop(tmp_path):
+    """torchrun killed without passing a signal on (SIGKILL, the OOM killer): its ranks are
+    orphans that trained on to the end of the run. Under torchrun (TORCHELASTIC_RUN_ID) the
+    launcher's end is a stop request; outside it, a parent's end is none."""
+    child = ("import os, pathlib, sys, time\nfrom fmoe.train.run import StopRequests\n"
+             "with StopRequests(()) as stop:\n"
+             "    print(stop.reason(), flush=True); pathlib.Path(sys.argv[1]).touch()\n"
+             "    end = time.monotonic() + 30\n"
+             "    while stop.reason() is None and time.monotonic() < end and os.getppid() == int(sys.argv[2]):\n"
+             "        time.sleep(0.05)\n"
+             "    time.sleep(0.2); print(stop.reason(), flush=True)\n")
+    launcher = ("import os, pathlib, subprocess, sys, time\n"
+                "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], str(os.getpid())])\n"
+                "while not pathlib.Path(sys.argv[2]).exists():\n    time.sleep(0.05)\n"
+                "print(os.getpid(), flush=True); os._exit(0)\n")
+    for run_id, said in (("x", "its launcher's end (torchrun, pid {}, is gone)"), (None, "None")):
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"} | ({"TORCHELASTIC_RUN_ID": run_id} if run_id else {})
+        marker = tmp_path / f"entered_{run_id}"
+        out = subprocess.run([sys.executable, "-c", launcher, child, str(marker)], capture_output=True, text=True, timeout=120, env=env)
+        lines = out.stdout.split()
+        assert len(lines) >= 3, out.stdout + out.stderr
+        pid = [line for line in out.stdout.splitlines() if line.isdigit()][0]
+        assert out.stdout.splitlines()[0] == "None" and out.stdout.splitlines()[-1] == said.format(pid), out.stdout + out.stderr
+
+
 def test_leaving_puts_the_handlers_back_when_no_signal_came():
     before = _handlers()
     with StopRequests(("SIGTERM",)):
