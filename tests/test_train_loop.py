@@ -43,7 +43,8 @@ def test_a_second_run_in_an_out_dir_that_a_run_holds_is_refused(tmp_path):
     """One run at a time writes an out_dir: held (here by this process, as a running
     train_moe.py holds its own), a new run and a --resume stop at once with a message, writing
     nothing and removing nothing (a resume's cleanup removed a partial checkpoint the other
-    run was writing). Released (its process ended), the same command runs."""
+    run was writing), naming the holder's pid (a requeued job's orphans were not named).
+    Released (its process ended), the same command runs."""
     from fmoe.train.run import OutDirInUse, OutDirLock
 
     out = tmp_path / "run"
@@ -54,7 +55,7 @@ def test_a_second_run_in_an_out_dir_that_a_run_holds_is_refused(tmp_path):
     for extra in ([], ["--resume"]):
         run = _train(out, "--steps=2", *extra)
         assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
-            f"--out_dir: {out} is in use: another run is writing it (it holds the directory until it ends); wait for it to end, "
+            f"--out_dir: {out} is in use: another run (pid {os.getpid()}) is writing it (it holds the directory until it ends); wait for it to end, "
             "or give another --out_dir"), run.stderr[-2000:]
         assert sorted(p.name for p in out.iterdir()) == ["step_000002.tmp"]
     holder = subprocess.run([sys.executable, "-c", f"from fmoe.train.run import OutDirLock; lock = OutDirLock({str(tmp_path / 'other')!r})"],

@@ -152,6 +152,22 @@ class OutDirInUse(ValueError):
     """Another run holds the out_dir (OutDirLock)."""
 
 
+def _flock_holder(path: Path) -> Optional[int]:
+    """The pid of this machine's process that holds an flock on `path` (Linux's /proc/locks,
+    by the directory's device and inode), or None where it cannot be told (another system, a
+    holder on another machine of a network file system)."""
+    try:
+        st = path.stat()
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key and fields[4].isdigit():
+                return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 class OutDirLock:
     """Holds out_dir (made if missing) for a run while this object lives, or until release():
     an exclusive flock on the directory itself (no file added to it; the kernel drops the lock
@@ -183,9 +199,10 @@ class OutDirLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = _flock_holder(path)
             self.release()
-            raise OutDirInUse(f"--out_dir: {out_dir} is in use: another run is writing it (it holds the directory until it ends); "
-                              "wait for it to end, or give another --out_dir") from None
+            raise OutDirInUse(f"--out_dir: {out_dir} is in use: another run {'' if holder is None else f'(pid {holder}) '}is writing it "
+                              "(it holds the directory until it ends); wait for it to end, or give another --out_dir") from None
 
     def release(self) -> None:
         if self._fd is not None:
