@@ -456,22 +456,33 @@ def test_a_stalled_rank_fails_the_run_after_the_collective_timeout(tmp_path):
     assert took < 200, took
 
 
+def _torchrun_acted_on(tmp_path, act, *knobs) -> tuple:
+    """A 2-rank torchrun launch of the loop (TINY, many steps), `act(run, ranks)` once every
+    rank is in the loop ({rank: pid}), then read to its end: (run, ranks, stdout, stderr,
+    the logged steps). Ranks left over are killed."""
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, *knobs],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = {}
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        ranks = _ranks_in_the_loop(run, metrics)
+        act(run, ranks)
+        out, err = run.communicate(timeout=300)  # the ranks hold the pipes: read until they end
+    finally:
+        run.kill()
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return run, ranks, out, err, [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+
+
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """SIGTERM to rank 1 alone (rank 0 never gets it): the ranks agree through the step's
     sums, both stop after the same step, write its checkpoint together and exit 0; one
     process resumes from it."""
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        metrics = tmp_path / "metrics.jsonl"
-        ranks = _ranks_in_the_loop(run, metrics)
-        os.kill(ranks[1], signal.SIGTERM)
-        out, err = run.communicate(timeout=300)
-    finally:
-        run.kill()
+    run, ranks, out, err, steps = _torchrun_acted_on(tmp_path, lambda run, ranks: os.kill(ranks[1], signal.SIGTERM), "--steps=1000")
     assert sorted(ranks) == [0, 1] and run.returncode == 0, out[-2000:] + err[-4000:]
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 1000
     assert f"step {last}: stopping on a request to another rank, with the checkpoint of step {last}" in out
@@ -486,19 +497,12 @@ def test_a_signal_to_every_process_of_the_job_stops_the_run_with_its_checkpoint(
     gets two; the second, milliseconds later, is the same request and the ranks still stop
     after the same step with its checkpoint (it ended them before, the work since the last
     checkpoint lost). The ranks exit 0; torchrun itself exits 1, re-raising its signal."""
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        metrics = tmp_path / "metrics.jsonl"
-        ranks = _ranks_in_the_loop(run, metrics)
+    def every_process(run, ranks):
         for pid in (run.pid, *ranks.values()):
             os.kill(pid, signal.SIGTERM)
-        out, err = run.communicate(timeout=300)
-    finally:
-        run.kill()
+
+    run, ranks, out, err, steps = _torchrun_acted_on(tmp_path, every_process, "--steps=1000")
     assert sorted(ranks) == [0, 1] and run.returncode == 1 and "SignalException" in err, out[-2000:] + err[-4000:]
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 1000
     assert f"step {last}: stopping on SIGTERM, with the checkpoint of step {last}" in out, out[-2000:] + err[-4000:]
@@ -509,20 +513,7 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(tmp_path):
     """torchrun SIGKILLed (the OOM killer, a lost agent) passes no signal on: its ranks trained
     on as orphans to the end of the run. They now take the launcher's end as a stop request:
     both stop after the same step, with its checkpoint."""
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=100000"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    ranks = {}
-    try:
-        metrics = tmp_path / "metrics.jsonl"
-        ranks = _ranks_in_the_loop(run, metrics)
-        run.kill()
-        out, err = run.communicate(timeout=300)  # the ranks hold the pipes: read until they end
-    finally:
-        for pid in ranks.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    run, ranks, out, err, steps = _torchrun_acted_on(tmp_path, lambda run, ranks: run.kill(), "--steps=100000")
     last = steps[-1]
     assert sorted(ranks) == [0, 1] and steps == list(range(1, last + 1)) and last < 100000, out[-2000:] + err[-4000:]
     assert f"step {last}: stopping on its launcher's end (torchrun, pid {run.pid}, is gone), with the checkpoint of step {last}" in out, \
