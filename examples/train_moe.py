@@ -285,7 +285,8 @@ def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.
 
 def _pp_knobs(err: ValueError) -> str:
     """A pipeline error in the knobs' words: the stage sizes Pipeline calls layers_per_stage are --pp_layers."""
-    return str(err).replace("layers_per_stage", "--pp_layers")
+    said = str(err).removeprefix("chunk: ").replace("layers_per_stage", "--pp_layers")
+    return said.replace("(index_shared_layers)", "(--model.index_shared_layers)").replace("(shortcut_moe)", "(--model.shortcut_moe)")
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -509,6 +510,9 @@ def main(argv: list[str]) -> None:
             parallel.stage_layers(cfg.model.n_layers, cfg.pp_virtual, pp_layers)
     except ValueError as err:
         sys.exit(f"pipeline knobs (--pp_schedule, --pp_virtual, --pp_layers) at --pp={cfg.pp}: {_pp_knobs(err)}")
+    if cfg.pp == 1 and (given := [f"--{n}={getattr(cfg, n)}" for n in ("pp_schedule", "pp_virtual", "pp_layers")
+                                  if getattr(cfg, n) != getattr(Config(), n)]):  # ignored: no pipeline to shape
+        sys.exit(f"{', '.join(given)}: shape a pipeline, and --pp=1 runs none; give --pp (2 or more stages) or leave them out")
     meshes, rank, dp_rank, dp, cp_rank = None, 0, 0, 1, 0
     # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
     # keeps float32 master weights and sums gradients in float32; one process is a group of 1)

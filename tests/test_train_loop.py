@@ -653,6 +653,10 @@ BAD_KNOBS = [
     (["--pp_virtual=0"], "at --pp=1: pp_virtual: expected a positive int, got 0"),
     (["--pp_layers=abc"], "--pp_layers: expected comma-separated layer counts like 3,2,2,1, got 'abc'"),
     (["--pp_layers=9,9,9"], "at --pp=1: --pp_layers: expected 1 positive ints (one per stage, pp x pp_virtual) summing to n_layers"),
+    (["--pp_layers=2", "--pp_schedule=gpipe"], "--pp_schedule=gpipe, --pp_layers=2: shape a pipeline, and --pp=1 runs none; give --pp (2 or "
+                                              "more stages) or leave them out"),
+    (["--pp_virtual=2", "--pp_schedule=interleaved_1f1b"], "--pp_schedule=interleaved_1f1b, --pp_virtual=2: shape a pipeline, and --pp=1 "
+                                                           "runs none"),
 ]
 
 

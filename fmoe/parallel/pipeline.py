@@ -158,16 +158,19 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
 
 def _check_stage(cfg: TransformerConfig, layers: range) -> None:
     """ValueError naming chunk unless the blocks `layers` run on their own: no block reusing
-    the keys another stage's block chose, no shortcut pair cut in two."""
+    the keys another stage's block chose, no shortcut pair cut in two; it says how
+    (Pipeline's layers_per_stage, fewer stages)."""
     for i in layers:  # DeepSeek sparse attention: a block reusing another's choice of keys needs it in its own forward
         if cfg.is_index_shared(i) and cfg.index_source(i) not in layers:
-            raise ValueError(f"chunk: block {i} attends to the keys block {cfg.index_source(i)} chose (index_shared_layers), which is in another "
-                             f"stage than {layers}; split the layers so that they share a stage")
+            raise ValueError(f"chunk: block {i} attends to the keys block {cfg.index_source(i)} chose (index_shared_layers), "
+                             f"which is in another stage than blocks {layers.start}..{layers.stop - 1}; give the two one stage "
+                             "(layers_per_stage), or use fewer stages or other index_shared_layers")
     for i in layers:  # a shortcut pair hands its MoE's output from one block to the next: one stage holds both
         pair = (i - 1, i) if cfg.shortcut(i) == "in" else (i, i + 1) if cfg.shortcut(i) == "out" else (i, i)
         if not all(j in layers for j in pair):
-            raise ValueError(f"chunk: blocks {pair[0]} and {pair[1]} are a shortcut pair (shortcut_moe), the first's MoE output added in the second, "
-                             f"and {layers} holds one of them; split the layers so that each pair shares a stage (layers_per_stage)")
+            raise ValueError(f"chunk: blocks {pair[0]} and {pair[1]} are a shortcut pair (shortcut_moe), the first's MoE output added "
+                             f"in the second, and the stage of blocks {layers.start}..{layers.stop - 1} holds one of them; give each pair one "
+                             "stage (layers_per_stage), or use fewer stages")
 
 
 def check_schedule(schedule: str, virtual: int) -> str:

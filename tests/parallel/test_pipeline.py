@@ -164,7 +164,8 @@ def _refusals():
     dsa = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, index_topk=3, index_heads=2,
                index_head_dim=4, index_shared_layers=(2,))
     errors = {"split_refused_on_every_rank": refused(lambda: make(TransformerConfig(**{**TINY, **dsa}), layers_per_stage=[2, 2]),
-                                                     "chunk: block 2 attends to the keys block 1 chose"),
+                                                     "chunk: block 2 attends to the keys block 1 chose (index_shared_layers), which is in another "
+                                                     "stage than blocks 2..3; give the two one stage (layers_per_stage), or use fewer stages"),
               "tokens_refused": refused(lambda: make(TransformerConfig(**TINY), tokens=0), "tokens: expected >= 1, got 0"),
               # float32 stages sent into bf16 buffers: gloo aborted the receiving rank in the first step
               "dtype_refused": refused(lambda: make(TransformerConfig(**TINY), dtype=torch.bfloat16),
