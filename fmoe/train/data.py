@@ -88,6 +88,7 @@ sources of another vocab_size are refused together.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -1159,15 +1160,44 @@ def load_blend(spec: Union[str, os.PathLike, None] = None, *, separator: Optiona
     if spec is None or not str(spec).strip():
         return Blend([load_stdlib()], ["stdlib"], [1.0])
     entries = parse_blend(spec)
+    limit = _room_for_open_files(2 * len(entries))  # a memory-mapped source holds its file open (and its loss mask's)
     datasets = []
     for e in entries:
         with _naming(_where(e["name"], e["path"])):
             defaults = (None, None, None) if Path(e["path"]).is_dir() else (separator, vocab_size, dtype)  # bytes: none applies
-            datasets.append(load_corpus(
-                e["path"], separator=e["separator"] if e["separator"] is not None else defaults[0],
-                vocab_size=e["vocab_size"] if e["vocab_size"] is not None else defaults[1],
-                dtype=e["dtype"] if e["dtype"] is not None else defaults[2]))
+            try:
+                datasets.append(load_corpus(
+                    e["path"], separator=e["separator"] if e["separator"] is not None else defaults[0],
+                    vocab_size=e["vocab_size"] if e["vocab_size"] is not None else defaults[1],
+                    dtype=e["dtype"] if e["dtype"] is not None else defaults[2]))
+            except OSError as err:
+                if err.errno != errno.EMFILE:
+                    raise
+                raise ValueError(f"too many open files: each memory-mapped source holds its file open (and its loss mask's), and the "
+                                 f"blend's {len(entries)} sources need more than this process may open ({limit or '?'}, `ulimit -n`): raise "
+                                 "the limit, or prepare the sources into fewer token files") from err
     return Blend(datasets, [e["name"] for e in entries], [e["weight"] for e in entries], [e["path"] for e in entries])
+
+
+def _room_for_open_files(n: int) -> Optional[int]:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE) toward its hard one where
+    n more than are open now, and a margin, would not fit (a blend of a thousand token files
+    ran out at the common 1024); returns the soft limit then (None where it cannot be read)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            open_now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            open_now = 64
+        want = open_now + n + 256  # the margin: sockets of the process group, libraries, checkpoint files
+        if soft != resource.RLIM_INFINITY and soft < want:
+            soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return soft
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def _next_source(weights: Sequence[float], drawn: Sequence[int]) -> int:

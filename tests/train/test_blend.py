@@ -489,3 +489,37 @@ def test_token_file_options_on_a_directory_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"data: source 'texts' .*: dtype: '.*texts' is a directory"):
         load_blend(spec)
     assert load_blend(str(texts), separator=0, vocab_size=300).datasets[0].vocab_size == 258  # blend-wide: the token files'
+
+
+def test_a_blend_of_many_token_files_opens_them_under_a_low_file_limit(tmp_path):
+    """Each memory-mapped source holds its file open: a blend of 1200 shards died at the common
+    `ulimit -n` of 1024 with a bare "[Errno 24] Too many open files". load_blend raises the
+    soft limit toward the hard one; where the hard one is too low, a ValueError says why."""
+    import json
+    import subprocess
+    import sys
+
+    for i in range(150):
+        np.array([1, 2, 3, 0, 4, 5, 0], dtype=np.uint16).tofile(tmp_path / f"s{i}.u16")
+    (tmp_path / "blend.json").write_text(json.dumps([{"path": f"s{i}.u16", "weight": 1.0} for i in range(150)]))
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))\n"
+            "from fmoe.train.data import load_blend\n"
+            "try:\n"
+            f"    print(len(load_blend({str(tmp_path / 'blend.json')!r}, separator=0, vocab_size=8).names))\n"
+            "except ValueError as err:\n"
+            "    print(err)\n")
+    hard = resource_hard_limit()
+    raised = subprocess.run([sys.executable, "-c", code, "64", str(hard)], capture_output=True, text=True, timeout=300)
+    assert raised.returncode == 0 and raised.stdout == "150\n", raised.stdout + raised.stderr[-2000:]
+    low = subprocess.run([sys.executable, "-c", code, "96", "96"], capture_output=True, text=True, timeout=300)
+    assert low.returncode == 0 and "too many open files: each memory-mapped source holds its file open (and its loss mask's), and the " \
+        "blend's 150 sources need more than this process may open (96, `ulimit -n`): raise the limit, or prepare the sources into fewer " \
+        "token files" in low.stdout, low.stdout + low.stderr[-2000:]
+
+
+def resource_hard_limit() -> int:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 20 if hard == resource.RLIM_INFINITY else hard
