@@ -30,8 +30,10 @@ for a model whose unsharded weights, divided by tp and ep x etp, fit on each dev
 
 --choices FILE scores multiple-choice questions instead (a JSON Lines file, read_choices):
 each choice's log-probability given its context (choice_logprobs: one document per context
-and choice in the packed forward of model.logits; not under --cp), printed as the accuracy
-and the length-normalised accuracy (score_choices); --questions N takes the first N. The
+and choice in the packed forward of model.logits; not under --cp; the two tokenized together
+as lm-evaluation-harness pairs them, pair_ids; --delimiter puts a text, the harness's " ",
+between them), printed as the accuracy and the length-normalised accuracy (score_choices);
+--questions N takes the first N. The
 questions are the data: --data, --split, --val_percent, --batches and --whole_documents
 with --choices stop with an error.
 
@@ -166,14 +168,38 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
     return (batch for batch, _ in these), (name for _, name in those)
 
 
-def read_choices(path: Path, encode: Optional[Callable], *, limit: int = 0) -> list[dict]:
+def pair_ids(encode: Callable, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) of a context and the text that continues it, as
+    lm-evaluation-harness pairs them (its _encode_pair): the context's trailing whitespace
+    moves to the continuation, and the two are tokenized together, as the model reads them
+    (tokenized apart, "... batch " + "to" was scored as "Ġ" "t" "o" where the text reads
+    "Ġto"); the context's ids are the tokens the tokenizer adds before a text (a BOS) and the
+    joint ids the context's own share, the continuation's the rest (a token across the
+    boundary is the continuation's). Where that leaves either side without a token, the two
+    are tokenized apart."""
+    spaces = len(context) - len(context.rstrip())
+    text, rest = (context[:-spaces], context[-spaces:] + continuation) if spaces else (context, continuation)
+    alone, joint, full = encode(text, special=False), encode(text + rest, special=False), encode(text)
+    head = next((full[:i] for i in range(len(full) - len(alone) + 1) if full[i:i + len(alone)] == alone), full[:0]) if alone else full
+    k = 0
+    while k < min(len(alone), len(joint)) and alone[k] == joint[k]:
+        k += 1
+    if head + joint[:k] and joint[k:]:
+        return list(head) + list(joint[:k]), list(joint[k:])
+    return list(encode(context)), list(encode(continuation, special=False))
+
+
+def read_choices(path: Path, encode: Optional[Callable], *, limit: int = 0, delimiter: str = "") -> list[dict]:
     """The questions of a JSON Lines file, one per line: {"context": str, "choices": [str,
     ...], "answer": int} (the index of the right choice), or token ids in "context_ids" and
-    "choices_ids" (lists of ints) instead of the texts. A text is tokenized with `encode`
-    (text_codec's: the context with the tokens the tokenizer adds, a choice without, as it
-    continues the context). Returns [{"context": ids, "choices": [ids, ...], "answer",
-    "lengths": each choice's length for the normalised accuracy (characters of a text, else
-    tokens)}], the first `limit` lines (0: all)."""
+    "choices_ids" (lists of ints) instead of the texts. A choice continues its context as
+    written (" Paris" after "The capital of France is"), after `delimiter` (lm-evaluation-
+    harness's target_delimiter is " ": then choices are written without it). Texts are
+    tokenized with `encode` (text_codec's) in pairs (pair_ids: the context with the tokens
+    the tokenizer adds, each choice with it, as the model reads them). Returns [{"contexts":
+    [ids per choice], "choices": [ids, ...], "answer", "lengths": each choice's length for
+    the normalised accuracy (characters of the choice as written, without the delimiter, as
+    the harness's acc_norm; tokens for ids)}], the first `limit` lines (0: all)."""
     questions = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -203,16 +229,19 @@ def read_choices(path: Path, encode: Optional[Callable], *, limit: int = 0) -> l
             if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
                 raise ValueError(f"{where}: answer: expected the index of the right choice, 0..{len(choices) - 1}, got {answer!r}")
             if texts:
-                ids, choice_ids, lengths = encode(context), [encode(c, special=False) for c in choices], [len(c) for c in choices]
+                contexts, choice_ids = zip(*(pair_ids(encode, context, delimiter + c) for c in choices))
+                lengths = [len(c) for c in choices]
             else:
+                if delimiter:
+                    raise ValueError(f"{where}: --delimiter: goes between texts, and this question gives token ids")
                 if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in [*context, *(t for c in choices for t in c)]):
                     raise ValueError(f"{where}: token ids: expected non-negative ints")
-                ids, choice_ids, lengths = context, choices, [len(c) for c in choices]
-            if not ids:
+                contexts, choice_ids, lengths = [context] * len(choices), choices, [len(c) for c in choices]
+            if not all(contexts):
                 raise ValueError(f"{where}: {ctx_key}: empty (a choice is scored from the tokens before it)")
             if not all(choice_ids):
                 raise ValueError(f"{where}: {choices_key}: a choice without tokens")
-            questions.append(dict(context=list(ids), choices=[list(c) for c in choice_ids], answer=answer, lengths=lengths))
+            questions.append(dict(contexts=[list(c) for c in contexts], choices=[list(c) for c in choice_ids], answer=answer, lengths=lengths))
     if not questions:
         raise ValueError(f"{path}: no questions")
     return questions
@@ -326,7 +355,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--split", default=None, choices=("val", "train", "all"), help="the documents measured (default val)")
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
-    parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches if not 0, else 16; 0: all)")
+    parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches if not 0, else 16; 0: every whole micro-batch, a source's "
+                        "last tokens that fill none left out)")
     parser.add_argument("--whole_documents", action=argparse.BooleanOptionalAction, default=None,
                         help="a document that does not fit the rest of a micro-batch starts the next one (default: the run's, else no)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
@@ -335,6 +365,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--choices", type=Path, default=None,
                         help="a JSON Lines file of multiple-choice questions to score instead of the data's loss")
     parser.add_argument("--questions", type=int, default=0, help="with --choices: the first N questions (0: all)")
+    parser.add_argument("--delimiter", default="", help="with --choices: the text between a context and each choice (lm-evaluation-harness's "
+                        "target_delimiter, ' ', for choices written without it); default none: a choice continues its context as written")
     parser.add_argument("--tokenizer", type=Path, default=None, help="with --choices, a run on prepared token files: the "
                         "tokenizer.json to use in place of the one its data's index names (a run copied from another machine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -442,16 +474,16 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
         error, questions = None, []
         try:  # the tokenizer and the file, each rank's own
             encode, _, _ = text_codec(args.path, model, with_tokenizer(run, args.tokenizer))
-            questions = read_choices(args.choices, encode, limit=args.questions)
+            questions = read_choices(args.choices, encode, limit=args.questions, delimiter=args.delimiter)
             for q in questions:
-                if max(max(q["context"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:
+                if max(*(max(c) for c in q["contexts"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:
                     raise ValueError(f"{args.choices}: token ids beyond the model's vocab_size {model.cfg.vocab_size}")
         except (OSError, ValueError) as err:
             error = err
         # each rank read the file itself: every rank scores the same pairs, or none does
         raise_together(error, hashlib.sha256(json.dumps(questions).encode()).hexdigest(),
                        lambda _: f"{args.choices}: the ranks read different questions from it; every node must hold the same file")
-        pairs = [(q["context"], c) for q in questions for c in q["choices"]]
+        pairs = [pair for q in questions for pair in zip(q["contexts"], q["choices"])]
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             logprobs, cut = choice_logprobs(model, pairs, tokens=tokens, device=device, meshes=meshes)
     except (OSError, ValueError) as err:

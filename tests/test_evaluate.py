@@ -361,8 +361,10 @@ def test_choices_of_a_run_on_one_process_and_under_torchrun(run_dir, tmp_path):
     assert run["byte_tokens"] is True  # the stdlib corpus; a config.json from before the field: its sources (the stdlib) decide
     assert evaluate.text_codec(out, model, {k: v for k, v in run.items() if k != "byte_tokens"})[0]("ab") == [97, 98]
     questions = evaluate.read_choices(path, encode)
-    assert questions[0]["context"] == list(b"import ") and questions[1]["choices"][2] == list(b" (x)") and questions[1]["lengths"] == [2, 3, 4]
-    logprobs, cut = evaluate.choice_logprobs(model, [(q["context"], c) for q in questions for c in q["choices"]], tokens=16,
+    # the context's trailing space moves to the choice (lm-evaluation-harness's pairing): the same bytes, split at the word
+    assert questions[0]["contexts"] == [list(b"import")] * 2 and questions[0]["choices"] == [list(b" os"), list(b" zzqx")]
+    assert questions[1]["choices"][2] == list(b" (x)") and questions[1]["lengths"] == [2, 3, 4] and questions[0]["lengths"] == [2, 4]
+    logprobs, cut = evaluate.choice_logprobs(model, [p for q in questions for p in zip(q["contexts"], q["choices"])], tokens=16,
                                              device=torch.device("cpu"))
     assert cut == 4  # the 20 bytes of "def f(x):\n    return" and any choice do not fit 16, nor "for i in " + "range(10):"
     assert result == dict(evaluate.score_choices(questions, logprobs), choices_cut=4)
@@ -396,11 +398,14 @@ def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 63)])
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    # choices written as lm-evaluation-harness writes them, the delimiter given; and with their space, none given
     rows = [dict(context="w1 w2 w3", choices=["w4 w5", "w6", "w7 w8 w9"], answer=2), dict(context="w10", choices=["w11", "w12 w13"], answer=0)]
     path = _write_jsonl(tmp_path / "q.jsonl", rows)
-    cli = _cli(tmp_path / "hf", f"--choices={path}", "--json")
+    cli = _cli(tmp_path / "hf", f"--choices={path}", "--json", "--delimiter= ")
     assert cli.returncode == 0, cli.stderr[-2000:]
     got = json.loads(cli.stdout)["logprobs"]
+    spaced = _write_jsonl(tmp_path / "spaced.jsonl", [dict(r, choices=[" " + c for c in r["choices"]]) for r in rows])
+    assert json.loads(_cli(tmp_path / "hf", f"--choices={spaced}", "--json").stdout)["logprobs"] == got
     with torch.no_grad():
         one = lambda ids: ref(ids[None]).logits[0]  # noqa: E731
         want = [[_reference_logprob(one, [63, 1, 2, 3], [4, 5]), _reference_logprob(one, [63, 1, 2, 3], [6]),
@@ -471,3 +476,26 @@ def test_a_run_without_validation_has_no_split_of_its_own_to_measure(run_dir, tm
     assert got[0]["status"] != 0 and "data: --split=val: the run held no documents out (it trained with --eval_batches=0" in got[0]["text"]
     assert got[1]["status"] == 0 and 15 * 128 < json.loads(got[1]["out"])["tokens"] <= 16 * 128, got[1]  # labels of 16 batches, not all
     assert got[2]["status"] == 0, got[2]  # other data given: its validation split is the user's to choose
+
+
+def test_a_context_and_its_choice_are_tokenized_together_as_lm_evaluation_harness_pairs_them():
+    """Tokenized apart, a context ending in a space and its choice were scored on tokens the
+    model never reads ("batch " + "to": "Ġ" "t" "o" where the text reads "Ġto", up to 22 nats
+    apart). pair_ids moves the trailing space into the choice and tokenizes the two together
+    (lm_eval/api/model.py's _encode_pair); a token across the boundary is the choice's."""
+    vocab = {"<s>": 0, "batch": 1, " to": 2, " ": 3, "to": 4, **{c: 10 + i for i, c in enumerate("abchot")}}
+
+    def encode(text, special=True):  # greedy longest match, a BOS before a text with special
+        ids, i = ([0] if special else []), 0
+        while i < len(text):
+            piece = max((p for p in vocab if p != "<s>" and text.startswith(p, i)), key=len)
+            ids.append(vocab[piece])
+            i += len(piece)
+        return ids
+
+    assert evaluate.pair_ids(encode, "batch ", "to") == ([0, 1], [2])  # apart: [0, 1, 3] and [4]
+    assert evaluate.pair_ids(encode, "batch", " to") == ([0, 1], [2])
+    assert evaluate.pair_ids(encode, "bat", "ch to") == ([0], [1, 2])  # "batch" spans the boundary: the choice's
+    assert evaluate.pair_ids(encode, "batch", "") == ([0, 1], [])  # nothing to score: apart, then refused by read_choices
+    byte = lambda text, special=True: list(text.encode())  # noqa: E731
+    assert evaluate.pair_ids(byte, "import ", "os") == (list(b"import"), list(b" os"))
