@@ -89,7 +89,8 @@ class Config:
                                     # array, or a blend: "0.7:code.u32,0.3:prose.u32" or blend.json ([{"path", "weight"}])
     data_dtype: str = ""            # token files: uint16 | uint32 ("" = from the file suffix)
     separator: int = -1             # token files: the document separator id (--model.vocab_size too)
-    val_percent: int = 5            # validation documents, split by file name
+    val_percent: int = 5            # validation documents: by a hash of each file's name (text directories) or of each
+                                    # document's place in a token file
     whole_documents: bool = False   # a document that does not fit the rest of a micro-batch starts the next (the rest
                                     # padding, never routed), not cut: for prompt/response data (no response without its prompt)
     tokens_per_micro_batch: int = 1024  # tokens of one micro-batch: documents packed (and cut) to this length
@@ -812,6 +813,10 @@ def main(argv: list[str]) -> None:
     # run health at start: this rank's theoretical memory (parameters, gradients, optimizer
     # states; activations come on top) and whether energy can be read (NVML, CUDA only)
     plan = metrics.memory_plan(parts, optimizers, grad_dtype=torch.float32)
+    # the ranks' plans differ (a pipeline's last stage holds the head, uneven shards): the largest is the one to fit
+    _, totals = every_rank(None, plan["total"])
+    largest = max(range(len(totals)), key=lambda r: totals[r])
+    plan = {**plan, "largest_total": totals[largest], "largest_rank": largest}
     energy = metrics.EnergyMeter(device)
     if meshes is not None:  # every rank's device summed, or none: each reading is then a collective of every rank
         energy.agree(dist.group.WORLD, device)
@@ -855,6 +860,7 @@ def main(argv: list[str]) -> None:
         gib = {k: round(plan[k] / 2**30, 4) for k in ("params", "grads", "optimizer", "total")}
         print(f"memory per rank (theory, before activations): parameters {gib['params']} GiB, gradients {gib['grads']} GiB, "
               f"optimizer states {gib['optimizer']} GiB, total {gib['total']} GiB"
+              + (f" (rank 0; the largest, rank {largest}'s: {round(totals[largest] / 2**30, 4)} GiB)" if totals[largest] > plan["total"] else "")
               + ("" if energy.available else f"; energy not measured ({energy.reason})"), flush=True)
     if rank == 0 and step < last:  # a resumed run at its last step trains nothing: its config.json stays the run's
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
@@ -1140,7 +1146,7 @@ def main(argv: list[str]) -> None:
                 tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token, tokens_by_source=tokens_by_source,
                 mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
                 peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                planned_memory_gib=plan["total"] / 2**30,
+                planned_memory_gib=plan["largest_total"] / 2**30,  # the largest rank's plan
                 eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,
             )
             logger.log(step, record)

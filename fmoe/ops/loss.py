@@ -27,8 +27,9 @@ the logits themselves.
 
 linear_cross_entropy never holds all N x V logits: per chunk of rows it forms the chunk's
 logits h_c @ weight^T, runs the same kernel writing dlogits_c over them, and right away
-adds dh_c = dlogits_c @ weight and dweight += dlogits_c^T @ h_c (float32 accumulator by
-default), as Liger-Kernel's fused linear cross-entropy does.
+adds dh_c = dlogits_c @ weight and dweight += dlogits_c^T @ h_c (in the weight's dtype by
+default, each chunk's product accumulated in float32 by its GEMM; accumulate_dtype=torch.float32
+keeps a float32 accumulator), as Liger-Kernel's fused linear cross-entropy does.
 
 Legend: N rows (tokens), V vocabulary size (classes), H hidden size, C rows of a chunk.
 """

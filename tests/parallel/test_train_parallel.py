@@ -414,6 +414,9 @@ def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
     """Saved at pp = 2, resumed on one process; saved on one process, resumed at pp = 2."""
     first = _train(tmp_path / "pp", 2, "--pp=2", "--stop_at=3")
     assert [r["step"] for r in first] == [1, 2, 3]
+    # the plan logged is the largest rank's: the last stage (the head, the MTP module) holds more than rank 0's first
+    plan = json.loads((tmp_path / "pp" / "config.json").read_text())["memory_plan"]
+    assert plan["largest_rank"] == 1 and plan["largest_total"] > plan["total"] and first[0]["planned_memory_gib"] == plan["largest_total"] / 2**30
     _assert_same(_train(tmp_path / "pp", 1, "--resume=True"), reference())
     _train(tmp_path / "one", 1, "--stop_at=3")
     _assert_same(_train(tmp_path / "one", 2, "--pp=2", "--resume=True"), reference())
