@@ -1227,13 +1227,15 @@ def _local_numel(t: torch.Tensor) -> int:
 
 def _mesh_key(t: torch.Tensor) -> str:
     """The mesh dims a tensor is split over ("dp_shard", "edp,ep,etp"), "replicated" for a
-    plain tensor or a DTensor replicated on every dim."""
+    plain tensor or a DTensor replicated on every dim; a dim of one rank splits nothing (HSDP's
+    dp_shard=1 listed whole tensors as split over it)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return "replicated"
-    names = t.device_mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(t.device_mesh.ndim))
-    return ",".join(names[d] for d, p in enumerate(t.placements) if not p.is_replicate()) or "replicated"
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    return ",".join(names[d] for d, p in enumerate(t.placements) if not p.is_replicate() and mesh.size(d) > 1) or "replicated"
 
 
 def _state_bytes_per_element(optimizer, group: dict, p: torch.Tensor, grad_dtype: torch.dtype, where: str) -> int:
@@ -1279,7 +1281,7 @@ def memory_plan(modules, optimizers=(), *, grad_dtype: Optional[torch.dtype] = t
     Returns: {"params": bytes, "params_by_dtype": {"float32": bytes, ...}, "buffers": bytes,
         "grads": bytes, "optimizer": bytes, "total": bytes, "by_mesh": {key: {"params",
         "buffers", "grads", "optimizer", "total"}}}, ints; key = the mesh dims the tensor
-        is split over ("dp_shard", "edp,ep,etp"), or "replicated".
+        is split over ("dp_shard", "edp,ep,etp"; the dims of more than one rank), or "replicated".
 
     >>> linear = torch.nn.Linear(4, 2)                   # 10 float32 parameters
     >>> plan = memory_plan(linear, torch.optim.AdamW(linear.parameters()))

@@ -203,12 +203,12 @@ def test_memory_plan_ranks_add_up_to_one_process(world4):
         assert sum(p[kind] for p in plans) == one[kind], kind
     assert all(p["buffers"] == one["buffers"] == 2 * 4 * 4 for p in plans)  # two MoE blocks' [4] float32 biases
     assert len({p["params"] for p in plans}) > 1  # uneven shards: not every rank holds the same
-    assert set(plans[0]["by_mesh"]) == {"dp_shard", "edp,ep,etp", "replicated"}
+    assert set(plans[0]["by_mesh"]) == {"dp_shard", "edp,ep", "replicated"}  # etp = 1 splits nothing: not named
     assert plans[0]["by_mesh"]["replicated"]["params"] == 0  # every parameter is sharded
 
     one = _one_process_plan(TINY)
     plans = [r["hsdp"]["memory"] for r in world4]
-    experts = sum(p["by_mesh"]["edp,ep,etp"]["params"] for p in plans)
+    experts = sum(p["by_mesh"]["edp,ep"]["params"] for p in plans)
     dense = sum(p["by_mesh"]["dp_shard"]["params"] for p in plans)
     assert experts + dense / 2 == one["params"]
     assert experts == 4 * 2 * 3 * 4 * 32 * 32  # float32 [E, H, F] x 3 in the trunk's MoE block and the MTP's
