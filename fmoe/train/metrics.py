@@ -936,7 +936,9 @@ class SavedTensors:
     insides are recomputed, not kept). Views of one storage count once, by the storage's
     size; tensors sharing storage with `exclude` (the parameters: not activations) are not
     counted. Works on any device, CPU included; it counts what is kept, not the allocator's
-    peak (use torch.cuda.max_memory_allocated for that on a GPU).
+    peak (use torch.cuda.max_memory_allocated for that on a GPU). Under FSDP2 the unsharded
+    weights an op saves are counted too (exclude holds the sharded parameters, not the
+    all-gathered copies).
     """
 
     def __init__(self, *, exclude=()):
@@ -980,9 +982,11 @@ class AllocatedBytes:
     (a `resize_` counts its new size, the old one freed; a storage resized without an op,
     `untyped_storage().resize_`, at the next op that sees it). Storages that existed before
     (an op's inputs, in-place results) are not counted, resized or not. Meta tensors cost
-    nothing. It counts tensors, not the allocator's caching or the process's other memory:
-    on CPU it is the exact answer to "did this rank ever hold more than its shards". Slow
-    (Python per op): for measuring, not for training.
+    nothing. It counts tensors, not the allocator's caching or the process's other memory,
+    and only the results of the ops it sees: the scratch a custom op allocates inside (fmoe's
+    fused losses, grouped GEMMs) is below it. On CPU it is the exact answer to "did this rank
+    ever hold more than its shards" (building and loading use plain ops). Slow (Python per
+    op): for measuring, not for training.
     """
 
     def __init__(self):
@@ -1271,8 +1275,12 @@ def memory_plan(modules, optimizers=(), *, grad_dtype: Optional[torch.dtype] = t
         torch.optim.SGD            1 x the parameter's dtype with momentum, else 0
 
     Not counted: per-parameter step counters (scalars), activations, FSDP2's all-gather
-    buffers and padding, Muon's Newton-Schulz work and gathered matrices, the allocator's
-    caching. A tensor shared by several modules counts once.
+    buffers and padding (its root unit, the embedding, head, final norm and MTP projections
+    of fmoe.parallel.parallelize, stays gathered whole from the forward to the backward: a
+    cost that no dp_shard divides, about 2 GiB in bf16 at V = 131072, H = 4096), Muon's
+    Newton-Schulz work and gathered matrices (DistributedMuon keeps its pending updates' and
+    gathers' buffers, twice the local bytes of the matrices it owns, from its step to the next
+    forward), the allocator's caching. A tensor shared by several modules counts once.
 
     Args:
         modules: an nn.Module or an iterable of them (a pipeline rank's chunks).
