@@ -89,7 +89,10 @@ with a normalizer, or one that adds a prefix space to each input, reads and enco
 document whole, as before). Output is atomic: both files are written under hidden
 temporary names in OUT's directory and renamed into place at the end, the index last (an
 older index and loss mask are removed first), so a failed or interrupted run leaves no
-final name.
+final name. Its temporary files (.OUT.HOST.PID.tmp) are removed on an error, Ctrl-C and, from
+the command line, SIGTERM (a scheduler's stop, `timeout`); those of a run killed outright
+(SIGKILL, a crash) are removed by the next run of this machine for the same OUT, once their
+process is gone.
 """
 
 from __future__ import annotations
@@ -98,10 +101,13 @@ import argparse
 import bisect
 import codecs
 import contextlib
+import glob
 import gzip
 import json
 import os
 import re
+import signal
+import socket
 import sys
 import time
 import warnings
@@ -591,10 +597,10 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     dtype = _choose_dtype(out, dtype, vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     final_index = index_path(out)
-    tmp_tokens = out.parent / f".{out.name}.{os.getpid()}.tmp"
-    tmp_index = out.parent / f".{final_index.name}.{os.getpid()}.tmp"
     final_mask = out.parent / (out.name + MASK_SUFFIX)
-    tmp_mask = out.parent / f".{final_mask.name}.{os.getpid()}.tmp"
+    mine = f"{socket.gethostname()}.{os.getpid()}"  # the partial files of this run: another machine's run writes its own
+    tmp_tokens, tmp_index, tmp_mask = (out.parent / f".{final.name}.{mine}.tmp" for final in (out, final_index, final_mask))
+    _remove_stale_partials(out.parent, [out.name, final_index.name, final_mask.name])
     documents, tokens, prompt_tokens, pending, pending_chars = 0, 0, 0, [], 0
     conversations, split = 0, 0  # conversations with an assistant turn, and those made one document per turn
     start = time.monotonic()
@@ -678,6 +684,32 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     return index
 
 
+def _remove_stale_partials(folder: Path, names: list[str]) -> None:
+    """Remove the partial files (.NAME.HOST.PID.tmp) that a prepare of this machine killed
+    before its cleanup (SIGKILL, a node's crash) left for these output names, where that
+    process is gone; say so on stderr."""
+    host = socket.gethostname()
+    for name in names:
+        for tmp in folder.glob(f".{glob.escape(name)}.{glob.escape(host)}.*.tmp"):
+            pid = tmp.name[len(f".{name}.{host}."):-len(".tmp")]
+            if not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue  # still running: its own
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # another user's process
+            tmp.unlink(missing_ok=True)
+            print(f"note: removed {tmp}, a partial file of a prepare (pid {pid}) that ended before its cleanup", file=sys.stderr)
+
+
+def _terminated(signum, frame):
+    """SIGTERM (a scheduler's stop, `timeout`) ends prepare as Ctrl-C does: its partial files removed."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fmoe.train.prepare", description=__doc__.splitlines()[0])
     parser.add_argument("src", help="a directory of source files (text, .gz, .jsonl[.gz], .json, .parquet), or one")
@@ -699,6 +731,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     digits = args.separator is not None and args.separator.isascii() and args.separator.isdigit()  # not '²', not a full-width '２'
     separator = int(args.separator) if digits else args.separator
+    previous = signal.signal(signal.SIGTERM, _terminated)  # the partial files removed (SIGKILL's: by the next run)
     try:
         index = prepare(args.src, args.out, tokenizer=args.tokenizer, separator=separator, dtype=args.dtype, text_key=args.text_key,
                         prompt_key=args.prompt_key, messages_key=args.messages_key, chat_template=args.chat_template,
@@ -706,6 +739,8 @@ def main(argv=None) -> int:
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"{args.out}: {index['documents']} documents, {index['tokens']:,} tokens ({index['dtype']}), "
           f"separator {index['separator']}, vocab_size {index['vocab_size']}"
           + (f", {index['prompt_tokens']:,} prompt tokens left out of the loss ({index['loss_mask']})" if "prompt_key" in index else "")

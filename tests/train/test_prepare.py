@@ -601,3 +601,39 @@ def test_a_dataset_folder_is_read_for_its_records_and_json_records_are_records(t
     (root / "data" / "bad.json").write_text('[{"text": "a"}, {"text": 3}]')
     with pytest.raises(ValueError, match=r"src: '.*bad.json' record 1 has no string 'text' field"):
         prepare(root / "data" / "bad.json", tmp_path / "b.u16", tokenizer=tokenizer_path, progress=False)
+
+
+def test_a_stopped_prepare_leaves_no_partial_files(tokenizer_path, tmp_path):
+    """SIGTERM (a scheduler's stop, `timeout`) left .OUT.PID.tmp files, a new one per attempt,
+    never removed: now the command line removes them as on Ctrl-C, and a run removes those a
+    killed run of this machine left, once that process is gone."""
+    import signal
+    import socket
+    import time
+
+    src = tmp_path / "big.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog\n" * 400_000)  # about 18 MB: seconds to tokenize
+    out = tmp_path / "out" / "big.u16"
+    run = subprocess.Popen([sys.executable, "-m", "fmoe.train.prepare", str(src), str(out), f"--tokenizer={tokenizer_path}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "out").glob(".*.tmp")) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 128 + signal.SIGTERM, (run.returncode, err[-2000:])
+    assert list((tmp_path / "out").iterdir()) == [], list((tmp_path / "out").iterdir())
+    # a killed run's partial files (a pid that no longer runs) are removed by the next run; a running one's are kept
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname()
+    stale = [out.parent / f".big.u16.{host}.{dead}.tmp", out.parent / f".big.u16.index.json.{host}.{dead}.tmp"]
+    alive = out.parent / f".big.u16.{host}.{os.getpid()}.tmp"
+    for path in (*stale, alive):
+        path.write_bytes(b"partial")
+    small = tmp_path / "small.txt"
+    small.write_text("a few words\n")
+    done = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(small), str(out), f"--tokenizer={tokenizer_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"note: removed {stale[0]}, a partial file of a prepare (pid {dead}) that ended before its cleanup" in done.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([alive.name, "big.u16", "big.u16.index.json"])
