@@ -813,7 +813,7 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     for config in (run_config, older):
         encode, decode, eos = evaluate.text_codec(tmp_path / "run", model, config)
         assert encode("w1 w2 w40") == [1, 2, 40] and decode([3, 4]) == "w3 w4" and eos == 61
-    (tmp_path / "q.jsonl").write_text(json.dumps({"context": "w1 w5", "choices": ["w2", "w3 w4"], "answer": 0}) + "\n")
+    (tmp_path / "q.jsonl").write_text(json.dumps({"context": "w1 w5", "choices": [" w2", " w3 w4"], "answer": 0}) + "\n")
     choices = lambda: subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), str(tmp_path / "run"),  # noqa: E731
                                       f"--choices={tmp_path / 'q.jsonl'}", "--json"], capture_output=True, text=True, timeout=300)
     cli = choices()
