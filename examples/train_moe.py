@@ -71,8 +71,8 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import (OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, set_deterministic,
-                            unshared_dir, write_config)
+from fmoe.train.run import (OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, saved_config,
+                            set_deterministic, unshared_dir, write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -257,22 +257,13 @@ def _lr_schedule(knobs: dict, warmup: int, wsd_decay: int) -> dict:
                 style=knobs["lr_style"], wsd_decay=wsd_decay if knobs["lr_style"] == "wsd" else 0, wsd_style=knobs["wsd_style"])
 
 
-def _saved_knob(out_dir: str, name: str, default):
-    """The value of a knob the run in out_dir recorded in its config.json, or default where it
-    has none (no config.json, or one of a version without the knob)."""
-    try:
-        return json.loads((Path(out_dir) / "config.json").read_text())["config"].get(name, default)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return default
-
-
 def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.Optional[str]:
     """A note where a resumed run's learning rate for step+1, `lr` (this run's schedule),
     is not what the run's own schedule gave (its config.json: --steps raised to extend a
     cosine or WSD run sends it back up), naming the schedule knobs that changed; None where
     it is the same, or the run's config.json holds no schedule to compare with."""
     try:
-        run = json.loads((Path(out_dir) / "config.json").read_text())
+        run = saved_config(out_dir)
         was = run["config"]
         then = was["lr"] * lr_at(step, **_lr_schedule(was, run["warmup"], run["wsd_decay"]))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):  # no config.json, or one of another version
@@ -729,7 +720,8 @@ def main(argv: list[str]) -> None:
             sys.exit(f"--resume: the run in {cfg.out_dir} was trained with {checkpoint.knob_list(changed)}; a resumed run continues "
                      "its model: give the --model.* knobs (and --init_from_hf) it was started with, or start a new run from its weights "
                      "with --init_from")
-        if (was := _saved_knob(cfg.out_dir, "train_only", cfg.train_only)) != cfg.train_only:  # the optimizers' state is its parameters'
+        saved = saved_config(cfg.out_dir).get("config")
+        if isinstance(saved, dict) and (was := saved.get("train_only", cfg.train_only)) != cfg.train_only:  # the optimizers' state is its parameters'
             sys.exit(f"--resume: the run in {cfg.out_dir} trained with --train_only={was!r} (here {cfg.train_only!r}); a resumed run "
                      "trains the parameters it did, whose optimizer state its checkpoint holds: give the same --train_only, or start "
                      "a new run from its weights with --init_from")

@@ -228,6 +228,16 @@ def refuse_link(path) -> None:
         raise ValueError(f"out_dir: {str(path)!r} is a link (to {os.readlink(path)!r}); a run writes its own {path.name}: remove the link")
 
 
+def saved_config(out_dir) -> dict:
+    """The record <out_dir>/config.json holds (write_config's), or {} where there is none or
+    it is not a JSON object (a damaged file, another program's)."""
+    try:
+        record = json.loads((Path(out_dir) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def write_config(out_dir, config: dict, **extra) -> Path:
     """Write <out_dir>/config.json: {"config": config, **extra, "run": run_info()} (config:
     every knob, e.g. dataclasses.asdict of the loop's Config), strict JSON: a non-finite
@@ -241,12 +251,8 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.json"
     refuse_link(path)
-    try:
-        before = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError, RecursionError):
-        before = {}
-    earlier = []
-    if isinstance(before, dict) and isinstance(before.get("run"), dict):
+    before, earlier = saved_config(out_dir), []
+    if isinstance(before.get("run"), dict):
         kept = before.get("earlier_runs")
         earlier = [*(kept if isinstance(kept, list) else []), before["run"]]
     record = {"config": config, **extra, "run": run_info(), **({"earlier_runs": earlier} if earlier else {})}

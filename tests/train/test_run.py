@@ -436,3 +436,16 @@ def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_pat
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == [str(site / "fmoe" / "train" / "run.py"), "None"]
+
+
+def test_saved_config_is_the_record_or_nothing(tmp_path):
+    """The loop's readers of a run's config.json (the resume checks, write_config keeping the
+    earlier segments) take {} for a missing, damaged or foreign file."""
+    from fmoe.train.run import saved_config, write_config
+
+    assert saved_config(tmp_path / "none") == {}
+    for text in ("[1, 2]", "{not json", "[" * 100_000):
+        (tmp_path / "config.json").write_text(text)
+        assert saved_config(tmp_path) == {}
+    write_config(tmp_path, {"lr": 0.1})
+    assert saved_config(tmp_path)["config"] == {"lr": 0.1} and "earlier_runs" not in saved_config(tmp_path)
