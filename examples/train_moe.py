@@ -69,7 +69,7 @@ from fmoe.model import Transformer, TransformerConfig
 from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_factor, clip_grad_norm, grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
-from fmoe.train.data import BlendSampler, load_blend, read_index
+from fmoe.train.data import BlendSampler, batch_layout, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
 from fmoe.train.run import (OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, saved_config,
                             set_deterministic, unshared_dir, write_config)
@@ -1002,19 +1002,30 @@ def main(argv: list[str]) -> None:
                 for group in opt.param_groups:
                     group["lr"] = group["base_lr"] * lr_scale
             n_micro = batch_size_at(tokens_seen, cfg.batch_schedule)
+            # data-parallel ranks take turns over the micro-batches: this rank builds its own and
+            # counts the others' (their layouts: sequences, counted labels, routed tokens); a rank
+            # short of one runs a masked copy of the first with zero loss, so that every rank joins
+            # every collective (FSDP, EP)
             drawn = sampler.tokens_by_source()
-            host_batches = [sampler.next_batch() for _ in range(n_micro)]
+            mine, layouts, batch_0 = [], [], None
+            padding = -(-n_micro // dp) - len(range(dp_rank, n_micro, dp))
+            for i in range(n_micro):
+                if i % dp == dp_rank or (i == 0 and padding):
+                    batch = sampler.next_batch()
+                    layouts.append(batch_layout(batch))
+                    if i % dp == dp_rank:
+                        mine.append(batch)
+                    else:
+                        batch_0 = batch
+                else:
+                    layouts.append(sampler.next_layout())
             tokens_by_source = {name: n - drawn[name] for name, n in sampler.tokens_by_source().items()}
             # the step's valid-token counts, read on the host before the batches move: the loss
             # is a sum over tokens divided by these
-            loss_tokens = sum(int(b["loss_mask"].sum()) for b in host_batches)
+            loss_tokens = sum(int(layout["loss_tokens"][0]) for layout in layouts)
             valid = {"lm": max(1, loss_tokens)}  # a step of prompts only counts none
             for d in range(1, model_cfg.mtp_depth + 1):
-                valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in host_batches))
-            # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
-            # masked copy with zero loss, so that every rank joins every collective (FSDP, EP)
-            mine = host_batches[dp_rank::dp]
-            padding = -(-n_micro // dp) - len(mine)
+                valid[d] = max(1, sum(int(layout["loss_tokens"][d]) for layout in layouts))
             counts = {}
             # every key from the start: a rank with only padding sums the same keys (one collective)
             zero = torch.zeros((), device=device)
@@ -1031,10 +1042,10 @@ def main(argv: list[str]) -> None:
                 if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
                     step_state.update(valid=valid, n_micro=n_micro)
                     logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
-                                                for i, b in enumerate(mine + [host_batches[0]] * padding)])
+                                                for i, b in enumerate(mine + [batch_0] * padding)])
                     for name, value in logged.items():
                         record[name] = record[name] + value
-                for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
+                for i, host_batch in enumerate(mine + [batch_0] * padding if pipe is None else []):
                     loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
                     if i >= len(mine):
                         (loss * 0.0).backward()
@@ -1096,7 +1107,7 @@ def main(argv: list[str]) -> None:
                     sys.exit(f"step {step}: the ranks holding copies of {', '.join(bad)} disagree (a non-deterministic collective, "
                              "a corrupted rank or a bug: stopping before the copies drift further)")
             step_tokens = n_micro * cfg.tokens_per_micro_batch
-            routed = sum(int(b["token_mask"].sum()) for b in host_batches) if cfg.whole_documents else step_tokens  # host values
+            routed = sum(int(layout["routed_tokens"]) for layout in layouts)  # host values
             tokens_seen += step_tokens
             if val_batches and (step % cfg.eval_every == 0 or step == last):
                 with phase("eval"):
@@ -1114,20 +1125,20 @@ def main(argv: list[str]) -> None:
             if joules is not None:
                 record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
             # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
-            n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
-            n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in host_batches) / n_micro
+            n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in layouts) / n_micro
+            n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in layouts) / n_micro
                            if model_cfg.any_local else None)
-            n_avg_index = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.index_topk) for b in host_batches) / n_micro
+            n_avg_index = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.index_topk) for b in layouts) / n_micro
                            if model_cfg.index_topk is not None else None)  # DeepSeek sparse attention's kept keys
             n_avg_block = (sum(metrics.mean_block_keys(b["cu_seqlens"], model_cfg.index_topk_blocks, model_cfg.index_block_size)
-                                for b in host_batches) / n_micro if model_cfg.index_topk_blocks is not None else None)  # block-sparse attention's
+                                for b in layouts) / n_micro if model_cfg.index_topk_blocks is not None else None)  # block-sparse attention's
             # the routed experts' FLOPs at the slots they computed per step token (each MoE layer's counts, averaged): k less a
             # zero expert's slots, those a capacity dropped, and those of padding (whole documents), which route nothing
             k_computing = (sum(sum(c[:model_cfg.n_experts]) for c in record["tokens_per_expert"]) / len(moe_names) / step_tokens
                            if moe_names else None)
-            n_avg_compressed = (sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.compress_rate) for b in host_batches) / n_micro
+            n_avg_compressed = (sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.compress_rate) for b in layouts) / n_micro
                                 if model_cfg.compress_layers else None)  # heavily compressed attention's entries
-            n_avg_csa = {name: sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.csa_rate, topk) for b in host_batches) / n_micro
+            n_avg_csa = {name: sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.csa_rate, topk) for b in layouts) / n_micro
                          for name, topk in (("n_avg_csa_entries", None), ("n_avg_csa_chosen", model_cfg.csa_topk))} if model_cfg.csa_layers else {}
             flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local,
                                                             n_avg_index_keys=n_avg_index, k=k_computing, n_avg_compressed_keys=n_avg_compressed,

@@ -66,7 +66,11 @@ state (epoch, index in the epoch's order, offset inside the current document) is
 resume exactly: `load_state_dict(state_dict())` into a fresh Sampler over the same dataset
 reproduces the batches the uninterrupted run would have produced. The token budget T per
 micro-batch is fixed at construction; a batch-size schedule changes how many micro-batches
-a step draws, not their size. Validation: `dataset.validation_batches(T, n)`, the first n
+a step draws, not their size. `next_layout()` advances
+past a micro-batch as `next_batch()` does without building it, and gives what a step needs
+of it besides its tokens (`batch_layout`: its cu_seqlens, counted labels at each depth and
+routed tokens): a data-parallel rank builds its own micro-batches of a step and only counts
+the others'. Validation: `dataset.validation_batches(T, n)`, the first n
 micro-batches of the documents in stored order (no shuffle), the same list on every call.
 
 Blends (`load_blend(spec)` -> `Blend`, `BlendSampler`): a run's data as weighted sources,
@@ -803,6 +807,30 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
     return batch
 
 
+def _layout(cu_seqlens: torch.Tensor, loss_tokens: Sequence[int], routed_tokens: int) -> TensorDict:
+    return TensorDict(cu_seqlens=cu_seqlens.to(torch.int32), loss_tokens=torch.tensor(loss_tokens, dtype=torch.int64),
+                      routed_tokens=torch.tensor(routed_tokens, dtype=torch.int64), batch_size=[])
+
+
+def batch_layout(batch: TensorDict) -> TensorDict:
+    """What a step needs of a micro-batch besides its tokens, a TensorDict (batch_size []):
+
+        cu_seqlens     [n + 1] int32   the batch's sequence bounds
+        loss_tokens    [D + 1] int64   its counted labels: loss_mask.sum() of the main
+                                       model, then mtp_loss_mask[d].sum() of each MTP depth
+        routed_tokens  [] int64        its tokens that are not padding (token_mask.sum(),
+                                       else T): those the MoE layers route
+
+    Sampler.next_layout() gives the same without building the batch."""
+    if not isinstance(batch, TensorDict) or "loss_mask" not in batch.keys() or "cu_seqlens" not in batch.keys():
+        raise ValueError(f"batch: expected a micro-batch TensorDict (make_batch's keys), got {type(batch).__name__}")
+    loss_tokens = [int(batch["loss_mask"].sum())]
+    if "mtp_loss_mask" in batch.keys():
+        loss_tokens += [int(row.sum()) for row in batch["mtp_loss_mask"]]
+    routed = int(batch["token_mask"].sum()) if "token_mask" in batch.keys() else batch["input_ids"].numel()
+    return _layout(batch["cu_seqlens"], loss_tokens, routed)
+
+
 def _epoch_seed(seed: int, epoch: int) -> int:
     """A 63-bit generator seed from (seed, epoch), stable across runs and platforms."""
     digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
@@ -858,25 +886,19 @@ class Sampler:
         gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
         return torch.randperm(len(self.dataset), generator=gen)
 
-    def next_batch(self) -> TensorDict:
-        """The next micro-batch of tokens_per_batch tokens (make_batch's keys)."""
-        pieces, masks, seqlens, padding = [], [], [0], 0
+    def _next_spans(self) -> tuple[list[tuple[int, int, int]], int]:
+        """Advance past the next micro-batch: its sequences as (document, begin, end) token
+        spans in order, and the padding after them (whole_documents; else 0)."""
+        spans, padding = [], 0
         remaining = self.tokens_per_batch
-        masked = self.dataset.label_mask is not None or self.whole_documents
         while remaining:
             doc = int(self._order[self.index])
             if self.whole_documents and self.offset == 0 and remaining < min(self.dataset.doc_len(doc), self.tokens_per_batch):
-                pieces.append(torch.full((remaining,), PAD if self.dataset.eos is not None else 0, dtype=torch.long))
-                masks.append(torch.zeros(remaining, dtype=torch.bool))
-                seqlens.append(remaining)
                 padding = remaining
                 break
             take = min(self.dataset.doc_len(doc) - self.offset, remaining)
             if take:  # an empty document (no tokens, no EOS) is passed over: no sequence of length 0
-                pieces.append(self.dataset.document(doc, self.offset, self.offset + take))
-                if masked:
-                    masks.append(self.dataset.document_mask(doc, self.offset, self.offset + take))
-                seqlens.append(take)
+                spans.append((doc, self.offset, self.offset + take))
                 remaining -= take
             self.offset += take
             if self.offset == self.dataset.doc_len(doc):
@@ -884,13 +906,46 @@ class Sampler:
                 if self.index == len(self.dataset):
                     self.epoch, self.index = self.epoch + 1, 0
                     self._order = self._epoch_order(self.epoch)
-        cu_seqlens = torch.tensor(seqlens, dtype=torch.int64).cumsum(0)
+        return spans, padding
+
+    def next_batch(self) -> TensorDict:
+        """The next micro-batch of tokens_per_batch tokens (make_batch's keys)."""
+        spans, padding = self._next_spans()
+        pieces = [self.dataset.document(doc, begin, end) for doc, begin, end in spans]
+        masks = None
+        if self.dataset.label_mask is not None or self.whole_documents:
+            masks = [self.dataset.document_mask(doc, begin, end) for doc, begin, end in spans]
+        seqlens = [0] + [end - begin for _, begin, end in spans]
         token_mask = None
         if self.whole_documents:  # the padding, if any, is the last sequence
             token_mask = torch.ones(self.tokens_per_batch, dtype=torch.bool)
             token_mask[self.tokens_per_batch - padding:] = False
-        return make_batch(torch.cat(pieces), cu_seqlens, self.mtp_depth, label_mask=torch.cat(masks) if masks else None,
+        if padding:
+            pieces.append(torch.full((padding,), PAD if self.dataset.eos is not None else 0, dtype=torch.long))
+            masks.append(torch.zeros(padding, dtype=torch.bool))
+            seqlens.append(padding)
+        cu_seqlens = torch.tensor(seqlens, dtype=torch.int64).cumsum(0)
+        return make_batch(torch.cat(pieces), cu_seqlens, self.mtp_depth, label_mask=None if masks is None else torch.cat(masks),
                           token_mask=token_mask)
+
+    def next_layout(self) -> TensorDict:
+        """Advance past the next micro-batch as next_batch does, without building it: its
+        batch_layout (cu_seqlens, loss_tokens, routed_tokens), read from the documents'
+        lengths and label masks alone. A data-parallel rank takes this for the step's other
+        ranks' micro-batches: the step's counts without their tokens and MTP targets."""
+        spans, padding = self._next_spans()
+        seqlens = [0] + [end - begin for _, begin, end in spans] + ([padding] if padding else [])
+        counts = [0] * (self.mtp_depth + 1)
+        for doc, begin, end in spans:  # entry k counts the sequence's labels from its (k + 1)-th token on (mtp_targets)
+            if self.dataset.label_mask is None:
+                for k in range(min(self.mtp_depth + 1, end - begin - 1)):
+                    counts[k] += end - begin - 1 - k
+            else:
+                mask = self.dataset.document_mask(doc, begin, end).numpy()
+                labels = np.cumsum(mask[::-1])[::-1]  # labels[j]: those from token j on
+                for k in range(min(self.mtp_depth + 1, end - begin - 1)):
+                    counts[k] += int(labels[k + 1])
+        return _layout(torch.tensor(seqlens, dtype=torch.int64).cumsum(0), counts, self.tokens_per_batch - padding)
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self
@@ -1266,14 +1321,22 @@ class BlendSampler:
                                         mtp_depth=self.mtp_depth, shuffle=self.shuffle, whole_documents=self.whole_documents))
         return samplers
 
-    def next_batch(self) -> TensorDict:
-        """The next micro-batch (make_batch's keys), from the source the greedy rule picks."""
+    def _draw(self, take: Callable[[Sampler], TensorDict]) -> TensorDict:
         i = _next_source(self.blend.weights, self.batches)
-        batch = self.samplers[i].next_batch()
+        drawn = take(self.samplers[i])
         self.batches[i] += 1
         self.tokens[i] += self.tokens_per_batch
         self.last_source = self.blend.names[i]
-        return batch
+        return drawn
+
+    def next_batch(self) -> TensorDict:
+        """The next micro-batch (make_batch's keys), from the source the greedy rule picks."""
+        return self._draw(Sampler.next_batch)
+
+    def next_layout(self) -> TensorDict:
+        """Advance past the next micro-batch as next_batch does, without building it: its
+        batch_layout (Sampler.next_layout)."""
+        return self._draw(Sampler.next_layout)
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self

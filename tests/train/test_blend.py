@@ -523,3 +523,18 @@ def resource_hard_limit() -> int:
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return 1 << 20 if hard == resource.RLIM_INFINITY else hard
+
+
+def test_a_blend_s_next_layout_draws_as_its_next_batch():
+    """BlendSampler.next_layout(): the same source as next_batch() would draw, the same
+    draw counts and state after it, and the drawn batch's layout."""
+    from fmoe.train.data import batch_layout
+
+    built, counted = (BlendSampler(_blend([0.5, 0.3, 0.2]), 7, seed=1, mtp_depth=2) for _ in range(2))
+    for i in range(30):
+        batch = built.next_batch()
+        layout = counted.next_layout() if i % 2 else batch_layout(counted.next_batch())
+        assert counted.last_source == built.last_source
+        assert _same(layout, batch_layout(batch))
+        assert counted.state_dict() == built.state_dict()
+    assert all(built.tokens)  # every source drawn

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fmoe.train.data import (
-    BYTE_VOCAB_SIZE, EOS, IGNORE_INDEX, PAD, Sampler, TokenDataset, decode_text, encode_text,
+    BYTE_VOCAB_SIZE, EOS, IGNORE_INDEX, PAD, Sampler, TokenDataset, batch_layout, decode_text, encode_text,
     list_text_files, load_corpus, load_stdlib, load_text_dir, load_token_file, make_batch,
 )
 
@@ -822,3 +822,41 @@ def test_a_text_directory_is_held_once_in_memory(tmp_path):
     docs = [corpus.document(i) for i in range(len(texts))]
     assert all(int(d[-1]) == EOS for d in docs)
     assert [d[:-1].numpy().astype(np.uint8).tobytes() for d in docs] == [texts[n] for n in sorted(texts)]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("whole_documents", [False, True])
+@pytest.mark.parametrize("eos", [EOS, None])
+def test_next_layout_advances_as_next_batch_and_counts_what_it_builds(masked, whole_documents, eos):
+    """Sampler.next_layout(): the stream moves past a micro-batch exactly as next_batch()
+    moves (the same state and the same batches after it), and its layout is the built
+    batch's batch_layout: the sequences, the counted labels of the main model and of every
+    MTP depth, the routed tokens; over empty documents, documents longer than a batch,
+    padding (whole_documents), label masks and epoch ends."""
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 19, 31)  # empty documents and ones longer than a batch of 11
+    data = rng.integers(0, 256, int(lengths.sum())).astype(np.uint8)
+    mask = (rng.random(len(data)) < 0.6).astype(np.uint8) if masked else None
+    ds = TokenDataset(data, np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, None, vocab_size=BYTE_VOCAB_SIZE,
+                      eos=eos, label_mask=mask)
+    for depth in (0, 1, 3):
+        built = Sampler(ds, 11, seed=3, mtp_depth=depth, whole_documents=whole_documents)
+        counted = Sampler(ds, 11, seed=3, mtp_depth=depth, whole_documents=whole_documents)
+        for i in range(60):  # over 2 epochs of 230 tokens (1 with padding)
+            batch = built.next_batch()
+            layout = counted.next_layout() if i % 3 else batch_layout(counted.next_batch())
+            want = batch_layout(batch)
+            assert want["loss_tokens"].tolist() == [int(batch["loss_mask"].sum()), *(int(m.sum()) for m in batch.get("mtp_loss_mask", []))]
+            assert want["routed_tokens"] == (int(batch["token_mask"].sum()) if whole_documents else 11)
+            assert _same(layout, want), (depth, i, layout, want)
+            assert counted.state_dict() == built.state_dict()
+        assert built.epoch >= 1  # across an epoch end (padding spends part of each batch)
+        counts = [batch_layout(built.next_batch())["loss_tokens"] for _ in range(40)]
+        assert torch.stack(counts).sum(0).gt(0).all()  # every depth counted something
+        if whole_documents:
+            assert any(bool((~built.next_batch()["token_mask"]).any()) for _ in range(20))  # padding was met
+
+
+def test_batch_layout_refuses_what_is_not_a_micro_batch():
+    with pytest.raises(ValueError, match="batch: expected a micro-batch TensorDict"):
+        batch_layout({"input_ids": torch.zeros(3)})
