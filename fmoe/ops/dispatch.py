@@ -576,6 +576,9 @@ def permute(
     check_positive_int("n_experts", n_experts)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: expected a positive integer (rows per expert group are padded to a multiple of it), got {align!r}")
+    R = n_rows(experts.shape[0], experts.shape[1], n_experts, align)
+    if R > torch.iinfo(torch.int32).max:  # the plan's row ids and offsets are int32
+        raise ValueError(f"experts: {list(experts.shape)} slots make {R} rows of x_perm (align {align}), past the plan's int32 row ids (2**31 - 1)")
     if checking(check, experts):
         check_expert_ids("experts", experts, n_experts)
     if use_triton(impl, x, experts):

@@ -679,6 +679,8 @@ def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, 
         got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
         raise ValueError(f"offsets: expected int32 [E] = ({E},) cumulative ends of the experts' rows, got {got}")
     check_device("offsets", offsets, x_perm.device, "x_perm")
+    if R > torch.iinfo(torch.int32).max:  # the kernels' row ids, as offsets, are int32
+        raise ValueError(f"x_perm: {R} rows, past the int32 row ids of offsets (2**31 - 1)")
     if not checking(check, offsets):
         return
     ends = offsets.tolist()  # one device->host sync

@@ -377,9 +377,10 @@ def _rope_kernel(
     cos_THF = cos_TF[:, None, :]
     sin_THF = sin_TF[:, None, :]
 
-    rows64_T = rows_T.to(tl.int64)
-    x_off_TH = rows64_T[:, None] * stride_xn + heads_H[None, :] * stride_xh
-    o_off_TH = rows64_T[:, None] * stride_on + heads_H[None, :] * stride_oh
+    # int64 offsets: rows x stride passes 2**31 at long T, and so do heads x stride in a head-major view
+    rows64_T, heads64_H = rows_T.to(tl.int64), heads_H.to(tl.int64)
+    x_off_TH = rows64_T[:, None] * stride_xn + heads64_H[None, :] * stride_xh
+    o_off_TH = rows64_T[:, None] * stride_on + heads64_H[None, :] * stride_oh
     live_TH = row_ok_T[:, None] & (heads_H[None, :] < H)
     mask_THF = live_TH[:, :, None] & f_ok_F[None, None, :]
     if INTERLEAVED:

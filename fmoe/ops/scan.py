@@ -124,7 +124,7 @@ def _row(tile, i, K: tl.constexpr):
 @triton.jit
 def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, h0_ptr, y_ptr, hT_ptr, ckpt_ptr, T, C, N, M,
                      K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
-    pid_c, row = tl.program_id(0), tl.program_id(1)
+    pid_c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: B T C passes 2**31 at long T
     cs, ns, mask_c, mask_n, mask, tile = _channels(pid_c, C, N, BC, BN)
     A = tl.load(a_ptr + tile, mask=mask, other=0.0)
     h = tl.load(h0_ptr + row * C * N + tile, mask=mask, other=0.0)
@@ -140,7 +140,7 @@ def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, h0_ptr, y_pt
 def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
                      du_ptr, ddt_ptr, db_ptr, dc_ptr, da_ptr, dh0_ptr, T, C, N, M, n_blocks,
                      K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
-    pid_c, row = tl.program_id(0), tl.program_id(1)
+    pid_c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: B T C passes 2**31 at long T
     cs, ns, mask_c, mask_n, mask, tile = _channels(pid_c, C, N, BC, BN)
     partial = (row * n_blocks + pid_c) * T  # this program's rows of db's and dc's channel sums [B, n_blocks, T, N]
     A = tl.load(a_ptr + tile, mask=mask, other=0.0)

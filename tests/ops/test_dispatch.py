@@ -490,3 +490,15 @@ def test_expert_capacity_is_megatrons_ceiling():
     from fmoe.ops.routing import expert_capacity
 
     assert expert_capacity(10, 2, 4, 1.0) == 5 and expert_capacity(10, 2, 4, 1.1) == 6 and expert_capacity(3, 1, 8, 1.0) == 1
+
+
+def test_more_rows_than_int32_row_ids_are_refused_before_any_work():
+    """The plan's row ids and offsets are int32: T K rows past 2**31 - 1 (x of a terabyte at
+    real widths) are refused naming the rows, before the ids are read (expanded views here:
+    no memory)."""
+    x = torch.zeros(1, 4).expand(2**28, 4)
+    experts = torch.zeros(1, 1, dtype=torch.long).expand(2**28, 8)
+    with pytest.raises(ValueError, match=r"experts: \[268435456, 8\] slots make 2147483648 rows of x_perm \(align 1\), past the plan's int32"):
+        permute(x, experts, 4)
+    with pytest.raises(ValueError, match=r"2147483655 rows of x_perm \(align 4\)"):
+        permute(x[:2**28 - 1], experts[:2**28 - 1], 5, align=4)  # 2**31 - 8 slots and 5 x 3 rows of padding

@@ -776,3 +776,11 @@ def test_gpu_swiglu_real_shape(glu):
     torch.testing.assert_close(swiglu(gate, up, **glu), h_ref, rtol=1.6e-2, atol=1e-3)
     torch.testing.assert_close(gate.grad, g_ref.grad, rtol=1.6e-2, atol=1e-3)
     torch.testing.assert_close(up.grad, u_ref.grad, rtol=1.6e-2, atol=1e-3)
+
+
+def test_more_rows_than_int32_offsets_are_refused():
+    """offsets are int32: x_perm of 2**31 rows is refused naming its rows (an expanded view)."""
+    x_perm = torch.zeros(1, 4).expand(2**31, 4)
+    w = torch.zeros(2, 4, 3)
+    with pytest.raises(ValueError, match=r"x_perm: 2147483648 rows, past the int32 row ids of offsets"):
+        grouped_matmul(x_perm, w, torch.tensor([0, 2], dtype=torch.int32))

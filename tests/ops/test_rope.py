@@ -585,3 +585,20 @@ def test_gpu_real_shape():
         y3 = x.clone()
         apply_rope(y3, cos, sin, interleaved=interleaved, inplace=True)
         assert torch.equal(y3, y1)
+
+
+@pytest.mark.gpu
+def test_gpu_a_head_major_view_past_int32():
+    """A head-major view [T, H, D] of a [H, T, D] buffer (an HF-style q transposed, B = 1) at
+    128k tokens, 128 heads of 192: head h starts h T D elements in, past 2**31 from head 86
+    on. Each head's rotation is the torch path's on a contiguous copy of the last tokens.
+    Its offsets were int32 (heads x stride): heads 86-127 were read from other memory."""
+    T, H, D = 131072, 128, 192
+    x = torch.randn(H, T, D, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    cos, sin = rope_cos_sin(torch.arange(T, device="cuda"), rope_inv_freq(D, base=10000.0, device="cuda"))
+    last = slice(T - 3, T)
+    want = apply_rope(x[last].contiguous(), cos[last], sin[last], impl="torch")
+    got = apply_rope(x, cos, sin)[last].clone()  # auto: Triton on CUDA
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
+    apply_rope(x, cos, sin, inplace=True)
+    assert torch.equal(x[last], got)

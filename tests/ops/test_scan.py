@@ -157,3 +157,34 @@ def test_gpu_jamba_mini_s_channels():
         results.append((y, *torch.autograd.grad((y * grad_y).sum(), xs)))
     for got, want in zip(*results):
         assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, backward", [(66, False), (33, True)])
+def test_gpu_offsets_past_int32(B, backward):
+    """At Jamba's 8192 channels and a state of 16, B rows of 4096 tokens put the kernels'
+    offsets past 2**31: the forward's (u, dt, y: B T C, 2.2e9 at B = 66) or the backward's
+    (the partial sums of b's and c's gradients: B C/8 T N, 2.2e9 at B = 33; 55 GB in all).
+    Rows are independent: the last row gives what it gives alone (its offsets small). The
+    row index was int32: the forward read row 65 from other tensors and wrote y outside
+    every tensor, the backward wrote db and dc outside them."""
+    T, C, N = 4096, 8192, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    u, b, c = (torch.randn(B, T, n, device="cuda", generator=g) for n in (C, N, N))
+    dt = 0.05 + 0.5 * torch.rand(B, T, C, device="cuda", generator=g)
+    A = -0.5 - 3 * torch.rand(C, N, device="cuda", generator=g)
+    rows = [(u, dt, b, c), tuple(t[-1:].clone() for t in (u, dt, b, c))]
+    outs = []
+    for u_, dt_, b_, c_ in rows:
+        with torch.set_grad_enabled(backward):
+            xs = [t.requires_grad_(backward) for t in (u_, dt_, b_, c_)]
+            y = selective_scan(xs[0], xs[1], A, xs[2], xs[3])
+            out = [y[-1:].clone()]  # copies: a view would keep the whole tensor
+            if backward:
+                grad_y = torch.ones_like(y)
+                out += [grad[-1:].clone() for grad in torch.autograd.grad(y, xs, grad_y)]
+                del grad_y
+            outs.append([t.detach() for t in out])
+            del y, xs
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
