@@ -133,11 +133,16 @@ def _topk_experts_ref(sel_TE, k, n_groups, topk_groups, per_group):
 def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, scale, per_group=None, bias_on_logits=False):
     """Plain-torch routing; differentiable w.r.t. the logits through torch autograd.
     per_group: experts summed per group score (None: k // topk_groups); bias_on_logits:
-    sigmoid scoring chooses on logits + expert_bias."""
+    sigmoid scoring chooses on logits + expert_bias. A row holding a NaN (unchecked) routes
+    as if its NaNs were -inf, and its weights are NaN, as in the kernels."""
+    nan_TE = logits_TE.isnan()
+    nan_T = nan_TE.any(1, keepdim=True)
+    logits_TE = torch.where(nan_TE, float("-inf"), logits_TE)
     sel_TE, src_TE = _scores_ref(logits_TE, score_code, expert_bias_E, bias_on_logits)
     per_group = k // topk_groups if per_group is None else per_group
     experts_TK = _topk_experts_ref(sel_TE.detach(), k, n_groups, topk_groups, per_group)
-    return Routes(_chosen_weights(src_TE.gather(1, experts_TK), score_code, scale), experts_TK)
+    weights_TK = _chosen_weights(src_TE.gather(1, experts_TK), score_code, scale)
+    return Routes(torch.where(nan_T, float("nan"), weights_TK), experts_TK)
 
 
 def _chosen_weights(chosen_TK, score_code, scale):
