@@ -2447,7 +2447,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         out_NTD, target_TJ = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS,
                                                    chosen=(slots_TJ, n_keys) if csa and train_index else None)
     elif isinstance(mask, torch.Tensor):  # the reference
-        out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
+        # as a batch of one: torch's CPU flash kernel takes 4-D inputs only; on 3-D ones SDPA falls to its math path,
+        # which keeps float32 scores and probabilities per head (12 N bytes a query-key pair: 3.1 GB at T = 8192, N = 4)
+        out_NTD = F.scaled_dot_product_attention(q_NTD[None], k_GTD[None], v_GTD[None], attn_mask=mask, scale=softmax_scale(cfg),
+                                                 enable_gqa=True)[0]
     else:
         if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params.values())):
             raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
