@@ -202,6 +202,8 @@ def _parse_value(name: str, kind, value: str):
         return flags[value.lower()]
     if typing.get_origin(kind) is tuple:  # tuple[int, ...]: comma-separated, e.g. --model.moe_layers=1,3,5
         item = typing.get_args(kind)[0]
+        if value.strip() and not all(v.strip() for v in value.split(",")):  # "0,,1" was read as (0, 1)
+            raise ValueError
         return tuple(item(v) for v in value.split(",") if v.strip())
     return kind(value)
 
@@ -343,6 +345,13 @@ def parse_args(argv: list[str]) -> Config:
         sys.exit(f"--out_dir: expected a directory for the run, got {cfg.out_dir!r}")
     if cfg.min_lr > cfg.lr:
         sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {cfg.min_lr}")
+    if cfg.init_lr > cfg.lr:  # a warmup from above the peak
+        sys.exit(f"--init_lr: the lr the warmup starts at, expected at most --lr = {cfg.lr}, got {cfg.init_lr}")
+    if cfg.min_lr != -1 and cfg.lr_style == "constant":  # no effect without a word before
+        sys.exit(f"--min_lr: the floor the schedule decays to; --lr_style=constant does not decay (got --min_lr={cfg.min_lr})")
+    if cfg.keep_every % cfg.ckpt_every:  # its steps between the saves were never saved: kept were only the common multiples
+        sys.exit(f"--keep_every: keeps the checkpoints of its multiples, saved every --ckpt_every={cfg.ckpt_every} steps: "
+                 f"expected a multiple of {cfg.ckpt_every}, got {cfg.keep_every}")
     if not cfg.clip > 0:
         sys.exit(f"--clip: expected a max norm > 0 (inf: no clipping), got {cfg.clip}")
     if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
@@ -466,6 +475,10 @@ def main(argv: list[str]) -> None:
         sys.exit(f"--stop_{'signals' if str(err).startswith('signals') else 'after_minutes'}: {err}")
     if cfg.collective_timeout < 0:  # finite: the parser takes no nan or inf
         sys.exit(f"--collective_timeout: expected minutes >= 0 (0: torch's default), got {cfg.collective_timeout}")
+    try:  # a timedelta holds under a billion days
+        datetime.timedelta(minutes=cfg.collective_timeout)
+    except OverflowError:
+        sys.exit(f"--collective_timeout: expected at most a billion days of minutes, got {cfg.collective_timeout:g}")
     # a process group set up by the caller (several runs in one launch, main called for each) is used and left up
     caller_group = dist.is_initialized()
     world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))
@@ -686,6 +699,9 @@ def main(argv: list[str]) -> None:
 
     # the schedule gives a factor on each group's lr; checked once here, with a message
     warmup = cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
+    if cfg.init_lr > 0 and warmup == 0:  # the default's: a tenth of a run under 10 steps
+        sys.exit(f"--init_lr: the lr the warmup starts at; this run of {cfg.steps} steps has none (the default --warmup is a tenth of "
+                 f"the run, at most 20 steps; got --init_lr={cfg.init_lr})")
     wsd_decay = cfg.wsd_decay if cfg.wsd_decay >= 0 else math.ceil((cfg.steps - warmup) / 5)
     schedule = _lr_schedule(vars(cfg), warmup, wsd_decay)
     try:

@@ -603,6 +603,15 @@ BAD_KNOBS = [
     (["--wsd_decay=3"], "--wsd_decay: shapes --lr_style=wsd's final decay; this run's --lr_style is cosine"),  # no effect without a word
     (["--lr_style=linear", "--wsd_style=cosine"], "--wsd_style: shapes --lr_style=wsd's final decay; this run's --lr_style is linear"),
     (["--warmup=0", "--init_lr=1e-4"], "--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr=0.0001)"),
+    # the default warmup of a run under 10 steps is none: --init_lr was ignored
+    (["--steps=5", "--warmup=-1", "--init_lr=1e-4"], "--init_lr: the lr the warmup starts at; this run of 5 steps has none (the default --warmup is a tenth"),
+    (["--lr=1e-3", "--init_lr=0.5"], "--init_lr: the lr the warmup starts at, expected at most --lr = 0.001, got 0.5"),
+    (["--lr_style=constant", "--min_lr=1e-4"], "--min_lr: the floor the schedule decays to; --lr_style=constant does not decay (got --min_lr=0.0001)"),
+    # kept were the common multiples only: steps 10 and 20 of 5, 10, 15, 20
+    (["--ckpt_every=2", "--keep_every=5"], "--keep_every: keeps the checkpoints of its multiples, saved every --ckpt_every=2 steps: expected a "
+                                           "multiple of 2, got 5"),
+    (["--collective_timeout=1e15"], "--collective_timeout: expected at most a billion days of minutes, got 1e+15"),  # an OverflowError
+    (["--model.moe_layers=0,,1"], "--model.moe_layers"),  # read as (0, 1)
     # knobs of features the run lacks: no effect without a word before
     (["--model.mtp_depth=0", "--mtp_lambda=0.5"], "--mtp_lambda: weighs the MTP losses; --model.mtp_depth=0 has none (got --mtp_lambda=0.5)"),
     (["--ns_dtype=float32"], "--ns_dtype: Muon's Newton-Schulz dtype; this run's --optimizer is adamw"),
