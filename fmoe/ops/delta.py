@@ -416,7 +416,8 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
 
     Example: o = gated_delta_rule(q, k, v, -F.softplus(a), torch.sigmoid(b), cu_seqlens)
     """
-    check_float("beta", beta, 3, "[B, T, N]")
+    if not isinstance(beta, torch.Tensor):  # None would run gated_linear_attention's rule; a tensor is checked after q
+        check_float("beta", beta, 3, "[B, T, N]")
     return _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state, chunk_size, impl)
 
 

@@ -334,6 +334,9 @@ def test_gpu_real_shape(T, docs, channels, seed, rule):
     (lambda a: dict(a, initial_state=torch.zeros(1, 2, 4, 4)), r"initial_state: expected \[1, 2, 8, 4\]"),
     (lambda a: dict(a, scale=0.0), r"scale: expected a positive number"),
     (lambda a: dict(a, chunk_size=0), r"chunk_size: expected >= 1"),
+    (lambda a: dict(a, beta=None), r"beta: expected a tensor \[B, T, N\], got NoneType"),
+    # every argument without its batch dim: q is named first (beta was)
+    (lambda a: {n: t[0] if n != "cu_seqlens" else t for n, t in a.items()}, r"q: expected a 4-D tensor \[B, T, N, Dk\], got shape \(6, 2, 8\)"),
 ])
 def test_bad_arguments_are_named(change, match):
     q, k, v, g, beta = _inputs(1, 6, 2, 8, 4)
