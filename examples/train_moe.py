@@ -375,6 +375,10 @@ def parse_args(argv: list[str]) -> Config:
         cfg.model = base if cfg.init_from_hf else dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
+    inert = {name: why for name, why in cfg.model.inert_knobs().items() if name in model_overrides}
+    if inert:  # e.g. --model.index_heads without --model.index_topk trained another model than asked for
+        name = next(iter(inert))
+        sys.exit(f"--model.{name}={model_overrides[name]}: {inert[name]}; this model has none, so it would have no effect")
     if model_overrides.get("score") == "softmax" and base.score != "softmax" and "expert_bias" not in model_overrides and base.expert_bias:
         # the default aux-loss-free bias was made for sigmoid routing: with softmax it shifts the
         # probabilities (ERNIE 4.5's routing), a choice to make, not to fall into

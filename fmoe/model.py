@@ -1258,6 +1258,8 @@ class TransformerConfig:
         self._check_hash()
         self._check_compress()
         self._check_csa()
+        if self.local_rope_dim is not None:  # 0 was read as unset
+            check_positive_int("local_rope_dim", self.local_rope_dim)
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
@@ -1351,6 +1353,36 @@ class TransformerConfig:
         if bad:
             raise ValueError(f"compress_layers: heavily compressed attention blocks attend (softmax attention), got blocks {bad} without it")
         self.attention_config(compress=True)  # kv_shared, one kv head, no softcap
+
+    def inert_knobs(self) -> dict[str, str]:
+        """The knobs of a feature this model lacks that are set away from their defaults
+        (YaRN's without yarn_factor, the linear blocks' without linear_layers, ...): name ->
+        why it has no effect. A Hugging Face folder's config may hold them (its scaling turned
+        off by an option); a command line that sets one is refused (examples/train_moe.py)."""
+        inert = {}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        indexer = self.index_topk is not None or self.index_topk_blocks is not None or bool(self.csa_layers)
+        groups = (
+            (self.yarn_factor is not None, "YaRN's", "yarn_factor", ("yarn_original_max_positions", "yarn_beta_fast", "yarn_beta_slow",
+                                                                     "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate")),
+            (self.llama3_factor is not None, "Llama 3's RoPE scaling", "llama3_factor",
+             ("llama3_low_freq_factor", "llama3_high_freq_factor", "llama3_original_max_positions")),
+            (indexer, "a sparse attention's indexer", "index_topk, index_topk_blocks or csa_layers", ("index_heads", "index_head_dim")),
+            (bool(self.compress_layers), "heavily compressed attention", "compress_layers", ("compress_rate",)),
+            (bool(self.csa_layers), "compressed sparse attention", "csa_layers", ("csa_rate", "csa_topk")),
+            (self.linear_layers is not None, "the linear-attention blocks", "linear_layers",
+             ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv", "linear_kind")),
+            (self.nope_temperature_floor is not None, "the NoPE blocks' query temperature", "nope_temperature_floor",
+             ("nope_temperature_scale", "nope_temperature_kind")),
+            (self.query_temperature_floor is not None, "the queries' temperature", "query_temperature_floor", ("query_temperature_scale",)),
+            (self.residual_gates, "the residual gates", "residual_gates", ("residual_gate_temperature",)),
+        )
+        for on, what, needs, names in groups:
+            for name in names:
+                value = getattr(self, name)
+                if not on and (value != defaults[name] or value != value):  # a nan too
+                    inert[name] = f"a knob of {what}, needs {needs}"
+        return inert
 
     def _check_csa(self) -> None:
         """csa_layers, csa_rate and csa_topk (class docstring); the blocks' own AttentionConfig checks the rest."""

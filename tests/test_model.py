@@ -3391,3 +3391,21 @@ def test_the_moe_layer_runs_under_autocast_and_the_reference_model_says_it_does_
     ids, cu = torch.randint(0, 64, (12,)), torch.tensor([0, 12], dtype=torch.int32)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"^torch\.autocast: the reference Transformer computes"):
         model.logits(ids, cu)
+
+
+def test_inert_knobs_names_a_feature_s_knobs_set_without_it():
+    """inert_knobs(): the knobs away from their defaults whose feature the model lacks (a
+    NaN among them), each with what it needs; none once the feature is on. local_rope_dim 0
+    (read as unset before) is refused."""
+    cfg = TransformerConfig(vocab_size=16, hidden=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8)
+    assert cfg.inert_knobs() == {}
+    odd = dataclasses.replace(cfg, yarn_beta_fast=float("nan"), index_heads=4, linear_k_dim=8, residual_gate_temperature=1.0)
+    assert odd.inert_knobs() == {
+        "yarn_beta_fast": "a knob of YaRN's, needs yarn_factor",
+        "index_heads": "a knob of a sparse attention's indexer, needs index_topk, index_topk_blocks or csa_layers",
+        "linear_k_dim": "a knob of the linear-attention blocks, needs linear_layers",
+        "residual_gate_temperature": "a knob of the residual gates, needs residual_gates",
+    }
+    assert dataclasses.replace(cfg, residual_gates=True, residual_gate_temperature=1.0).inert_knobs() == {}
+    with pytest.raises(ValueError, match="local_rope_dim: expected"):
+        dataclasses.replace(cfg, window=4, local_rope_base=1e4, local_rope_dim=0)

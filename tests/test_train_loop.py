@@ -612,6 +612,18 @@ BAD_KNOBS = [
                                            "multiple of 2, got 5"),
     (["--collective_timeout=1e15"], "--collective_timeout: expected at most a billion days of minutes, got 1e+15"),  # an OverflowError
     (["--model.moe_layers=0,,1"], "--model.moe_layers"),  # read as (0, 1)
+    # a feature's knobs without the feature: they trained the model they left out
+    (["--model.index_heads=0"], "--model.index_heads=0: a knob of a sparse attention's indexer, needs index_topk, index_topk_blocks or "
+                                "csa_layers; this model has none, so it would have no effect"),
+    (["--model.yarn_beta_fast=nan"], "--model.yarn_beta_fast=nan: a knob of YaRN's, needs yarn_factor"),
+    (["--model.llama3_original_max_positions=-1"], "--model.llama3_original_max_positions=-1: a knob of Llama 3's RoPE scaling, needs llama3_factor"),
+    (["--model.compress_rate=7"], "--model.compress_rate=7: a knob of heavily compressed attention, needs compress_layers"),
+    (["--model.csa_topk=3"], "--model.csa_topk=3: a knob of compressed sparse attention, needs csa_layers"),
+    (["--model.linear_conv=-1"], "--model.linear_conv=-1: a knob of the linear-attention blocks, needs linear_layers"),
+    (["--model.query_temperature_scale=0"], "--model.query_temperature_scale=0.0: a knob of the queries' temperature, needs query_temperature_floor"),
+    (["--model.nope_temperature_scale=-1"], "--model.nope_temperature_scale=-1.0: a knob of the NoPE blocks' query temperature"),
+    (["--model.residual_gate_temperature=1e12"], "--model.residual_gate_temperature=1000000000000.0: a knob of the residual gates, needs residual_gates"),
+    (["--model.window=8", "--model.local_rope_base=1e4", "--model.local_rope_dim=0"], "local_rope_dim: expected"),  # 0 was read as unset
     # knobs of features the run lacks: no effect without a word before
     (["--model.mtp_depth=0", "--mtp_lambda=0.5"], "--mtp_lambda: weighs the MTP losses; --model.mtp_depth=0 has none (got --mtp_lambda=0.5)"),
     (["--ns_dtype=float32"], "--ns_dtype: Muon's Newton-Schulz dtype; this run's --optimizer is adamw"),
