@@ -856,8 +856,12 @@ def main(argv: list[str]) -> None:
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
               f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
         planned = tokens_seen  # the tokens the run reads up to --steps, by the batch schedule
-        for _ in range(step, cfg.steps):
-            planned += cfg.tokens_per_micro_batch * batch_size_at(planned, cfg.batch_schedule)
+        pairs = parse_batch_schedule(cfg.batch_schedule)
+        for done in range(step, cfg.steps):
+            if planned >= pairs[-1][0]:  # the last batch size from here on: the rest at once (--steps=1e12 planned for hours)
+                planned += (cfg.steps - done) * cfg.tokens_per_micro_batch * pairs[-1][1]
+                break
+            planned += cfg.tokens_per_micro_batch * batch_size_at(planned, pairs)
         passes = (planned - tokens_seen) / max(train_set.n_tokens, 1)
         if passes > 1:  # a small corpus: the run sees each document many times (it overfits), which nothing said
             print(f"note: {'the rest of ' if step else ''}the run reads {planned - tokens_seen:,} tokens, {passes:.1f} passes over the "

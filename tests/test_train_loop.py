@@ -399,6 +399,21 @@ def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path)
     assert len(_records(tmp_path / "on")) == 3
 
 
+def test_a_run_of_a_trillion_steps_plans_its_tokens_at_once(tmp_path):
+    """The start's count of the tokens the run reads (its passes over the data) summed the
+    batch schedule step by step: --steps=1e12 hung there, --stop_at=1 too. Past the
+    schedule's last threshold the rest is one product."""
+    try:
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000000000000",
+                              "--eval_batches=0", "--stop_at=1", "--batch_schedule=0:2 1K:3"], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("--steps=1e12 --stop_at=1 did not stop within 300 s")
+    assert run.returncode == 0, run.stderr[-3000:]
+    # 4 steps of 2 x 128 tokens reach 1K, then 1e12 - 4 steps of 3 x 128
+    assert f"the run reads {4 * 256 + (10**12 - 4) * 384:,} tokens" in run.stdout, run.stdout
+    assert re.search(r"^stopped: step 1, ", run.stdout, flags=re.M), run.stdout
+
+
 def test_a_resume_whose_schedule_changed_says_so(tmp_path):
     """--resume --steps=N larger than the run's (extending it) rebuilds the schedule from N:
     a cosine run's learning rate went back up at the resume without a word. The run says

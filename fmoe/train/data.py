@@ -1192,7 +1192,10 @@ class Blend:
         (TokenDataset.validation_batches, whole_documents as for Sampler); the same list on
         every call. One source: exactly its validation_batches."""
         tokens = _int_arg("tokens", tokens)
-        order = _blend_schedule(self.weights, _int_arg("n_batches", n_batches))
+        n_batches = _int_arg("n_batches", n_batches)
+        if n_batches > self.n_tokens:  # before the schedule of n_batches draws (1e12 of them took hours); the sources say more below
+            raise ValueError(f"n_batches: {n_batches} batches of {tokens} tokens need {tokens * n_batches} tokens, the blend has {self.n_tokens}")
+        order = _blend_schedule(self.weights, n_batches)
         per_source = []
         for i, dataset in enumerate(self.datasets):
             k = order.count(i)

@@ -538,3 +538,11 @@ def test_a_blend_s_next_layout_draws_as_its_next_batch():
         assert _same(layout, batch_layout(batch))
         assert counted.state_dict() == built.state_dict()
     assert all(built.tokens)  # every source drawn
+
+
+def test_validation_batches_past_the_blend_s_tokens_are_refused_before_their_schedule():
+    """More batches than the blend has tokens: refused at once (the greedy schedule of 1e12
+    draws was built first: hours)."""
+    blend = _blend([0.5, 0.5])
+    with pytest.raises(ValueError, match=rf"n_batches: 1000000000000 batches of 8 tokens need 8000000000000 tokens, the blend has {blend.n_tokens}"):
+        blend.validation_batches(8, 10**12)
