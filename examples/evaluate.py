@@ -391,6 +391,8 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--choices: the questions are the data; {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
         if args.choices is None and args.questions:
             raise ValueError("--questions: counts the questions of --choices, which is not given")
+        if args.choices is None and args.delimiter:
+            raise ValueError(f"--delimiter: goes between a context and each choice of --choices, which is not given (got {args.delimiter!r})")
         if args.choices is not None and args.cp > 1:
             raise ValueError("--cp: choices are scored with model.logits, which context parallelism does not run (use --tp, --ep, --etp)")
         if args.data is None and args.choices is None and is_hf_folder(args.path):
@@ -422,6 +424,8 @@ def main(argv: list[str]) -> None:
             corpus = load_blend(spec or None, separator=separator if separator >= 0 else None,
                                 vocab_size=model.cfg.vocab_size if spec else None, dtype=data_dtype)
             read_from = [str(Path(p).resolve()) for p in corpus.paths if p]  # said below: which files, wherever this runs
+        if args.separator is not None and corpus.byte_tokens:  # no effect without a word before
+            raise ValueError(f"--separator={args.separator}: applies to token files; this data is bytes (text files or the embedded corpus)")
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")

@@ -288,6 +288,9 @@ BAD_KNOBS = [
     (["--tokenizer=t.json"], "--tokenizer: it encodes --choices' texts, which are not given (a loss on token data needs no tokenizer)"),
     (["--questions=3"], "--questions: counts the questions of --choices, which is not given"),
     (["--separator=-2"], "--separator: expected a token id >= 0, got -2"),
+    # no effect without a word before
+    (["--delimiter= "], "--delimiter: goes between a context and each choice of --choices, which is not given (got ' ')"),
+    (["--separator=5"], "--separator=5: applies to token files; this data is bytes (text files or the embedded corpus)"),
 ]
 
 
