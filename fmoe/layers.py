@@ -1861,6 +1861,52 @@ def _rms_norm(x, weight, eps: float, ms=None, *, zero_centered: bool = False):
     return (y * (weight.float() + 1.0 if zero_centered else weight.float())).to(x.dtype)
 
 
+class _LowPrecisionRMSNorm(torch.autograd.Function):
+    """rms_norm_saving_input's forward (the eager form's bits) and its backward in float32
+    from x in its own dtype and the inverse rms [..., 1]: autograd on the eager form kept x
+    and x / rms(x) in float32 for the backward, 4 x a bf16 x's bytes against 1 x here."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, zero_centered):
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        y = x32 * rstd
+        if weight is not None:
+            y = y * (weight.float() + 1.0 if zero_centered else weight.float())
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered, ctx.bias_dtype = zero_centered, None if bias is None else bias.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, rstd = ctx.saved_tensors
+        g = grad_y.float()
+        xhat = x.float() * rstd
+        d_weight = d_bias = d_x = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            d_bias = g.flatten(0, -2).sum(0).to(ctx.bias_dtype)
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                d_weight = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype)
+            g = g * (weight.float() + 1.0 if ctx.zero_centered else weight.float())
+        if ctx.needs_input_grad[0]:  # d xhat / dx: (g - xhat mean(g xhat)) / rms
+            d_x = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return d_x, d_weight, d_bias, None, None
+
+
+def rms_norm_saving_input(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, *, zero_centered: bool = False,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x / rms(x) * weight (+ bias) over the last dim, statistics in float32, in x's dtype
+    (weight None: none; zero_centered: times 1 + weight). The same values as the plain torch
+    form; its backward keeps x in its own dtype and the inverse rms [..., 1] alone (the plain
+    form's autograd keeps x and x / rms(x) in float32: 4 x a bf16 x's bytes), and computes in
+    float32. fmoe.model.RMSNorm takes it for bf16 and float16 inputs; float32 ones keep the
+    plain form (nothing to save there: its x is already float32)."""
+    return _LowPrecisionRMSNorm.apply(x, weight, bias, eps, zero_centered)
+
+
 def prescaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The gain first, then the norm: y / rms(y) for y = x (1 + weight), over the last dim in
     float32, in x's dtype (Muse Spark's input-scaled RMSNorm; a zero row stays zero, with eps

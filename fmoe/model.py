@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, LINEAR_KINDS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
                          PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_hash_routing, check_sparsemixer_knobs, check_window, compress_shapes, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
-                         moe, prescaled_rms_norm, q_in, qk_norm_shapes, softmax_scale)
+                         moe, prescaled_rms_norm, q_in, qk_norm_shapes, rms_norm_saving_input, softmax_scale)
 from fmoe.ops import linear_cross_entropy
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.experts import GLU_ACTS
@@ -1885,6 +1885,10 @@ class RMSNorm(nn.Module):
         sp = self.sequence_parallel
         if self.prescaled:  # the gain first (Muse Spark's input-scaled norm)
             return prescaled_rms_norm(x, self.weight if sp is None else sp.weight(self.weight), self.eps)
+        if x.dtype in (torch.bfloat16, torch.float16) and not self.centered:  # the same values, x kept in its own dtype for the backward
+            return rms_norm_saving_input(x, None if self.weight is None else self.weight if sp is None else sp.weight(self.weight),
+                                         self.eps, zero_centered=self.zero_centered,
+                                         bias=None if self.bias is None else self.bias if sp is None else sp.weight(self.bias))
         # float32 statistics whatever x's dtype
         x32 = x.float()
         if self.centered:  # a LayerNorm

@@ -3409,3 +3409,37 @@ def test_inert_knobs_names_a_feature_s_knobs_set_without_it():
     assert dataclasses.replace(cfg, residual_gates=True, residual_gate_temperature=1.0).inert_knobs() == {}
     with pytest.raises(ValueError, match="local_rope_dim: expected"):
         dataclasses.replace(cfg, window=4, local_rope_base=1e4, local_rope_dim=0)
+
+
+@pytest.mark.parametrize("zero_centered, bias", [(False, False), (True, False), (False, True)])
+def test_a_low_precision_rms_norm_keeps_its_input_alone_for_the_backward(zero_centered, bias):
+    """RMSNorm of bf16 x: the plain form's values bit for bit; its backward keeps x (bf16) and
+    the inverse rms [T, 1] (it kept x and x / rms(x) in float32: 4x x's bytes, 68112 here
+    against 17424), and its gradients are the plain form's autograd ones to float32 rounding."""
+    from fmoe.train.metrics import SavedTensors
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-6, zero_centered=zero_centered, bias=bias)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(4, 33, 64, generator=g).bfloat16().requires_grad_()
+    grad_y = torch.randn(4, 33, 64, generator=g).bfloat16()
+    with SavedTensors(exclude=norm.parameters()) as saved:
+        y = norm(x)
+    assert saved.nbytes == x.numel() * 2 + 4 * 33 * 4  # x, and the inverse rms of each row in float32
+    got = torch.autograd.grad(y, [x, *norm.parameters()], grad_y)
+
+    def plain(x, weight, b):  # the eager form, as RMSNorm runs float32 inputs
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6) * (weight.float() + 1.0 if zero_centered else weight.float())
+        return (out + b.float() if b is not None else out).to(x.dtype)
+
+    params = [p.detach().clone().requires_grad_() for p in norm.parameters()]
+    x2 = x.detach().clone().requires_grad_()
+    want_y = plain(x2, params[0], params[1] if bias else None)
+    assert torch.equal(y, want_y)
+    want = torch.autograd.grad(want_y, [x2, *params], grad_y)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2 if a.dtype == torch.bfloat16 else 1e-5, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5)
