@@ -1647,7 +1647,8 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
         return MaskRows(q_doc, q_pos, kv_doc, kv_pos, window)
     if not flex:
         allowed = (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
-        return allowed if window is None else allowed & (q_pos[:, None] - kv_pos[None, :] < window)
+        # kv_pos > q_pos - window: q_pos - kv_pos < window without the int64 [T, S] of differences (10x the bool mask)
+        return allowed if window is None else allowed & (kv_pos[None, :] > q_pos[:, None] - window)
     return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size, window)
 
 
@@ -2495,8 +2496,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     elif isinstance(mask, torch.Tensor):  # the reference
         # as a batch of one: torch's CPU flash kernel takes 4-D inputs only; on 3-D ones SDPA falls to its math path,
         # which keeps float32 scores and probabilities per head (12 N bytes a query-key pair: 3.1 GB at T = 8192, N = 4)
-        out_NTD = F.scaled_dot_product_attention(q_NTD[None], k_GTD[None], v_GTD[None], attn_mask=mask, scale=softmax_scale(cfg),
-                                                 enable_gqa=True)[0]
+        q, k, v, Dv = q_NTD, k_GTD, v_GTD, v_GTD.shape[-1]
+        if not q.is_cuda and Dv != q.shape[-1]:  # and the same head dim for q, k and v (multi-latent attention's 192 and 128):
+            # zeros added to the smaller change no score (the scale is given) and no output channel kept
+            D = max(Dv, q.shape[-1])
+            q, k, v = (F.pad(t, (0, D - t.shape[-1])) for t in (q, k, v))
+        out_NTD = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)[0, ..., :Dv]
     else:
         if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params.values())):
             raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")

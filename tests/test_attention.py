@@ -1163,6 +1163,10 @@ def test_deepseek_sparse_attention_matches_per_query_loop(cfg):
     grads = torch.autograd.grad(y, [x, *p.values()], up, allow_unused=True)
     want_grads = torch.autograd.grad(want, [x, *(p[n] for n in mla)], up)
     for name, a, b in zip(["x", *mla], grads, want_grads):
+        if not b.any():  # top-1: each query's one key takes all the weight, so the queries' weights get none; the CPU flash
+            # kernel's probabilities, exp(score - logsumexp), leave float32 rounding there (relative to x's gradient)
+            assert float(a.abs().max()) < 1e-5 * float(want_grads[0].abs().max()), name
+            continue
         assert _rel(a, b) < 1e-5, name
     assert grads[1 + len(mla):] == (None,) * (len(p) - len(mla))  # the index_ weights, last in p
 

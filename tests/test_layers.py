@@ -745,21 +745,26 @@ def test_gpu_layer_at_shape_a():
         assert _rel(a, b) < 2e-2
 
 
-def test_the_cpu_reference_attention_keeps_no_scores_per_head():
+@pytest.mark.parametrize("kind", ["gqa", "mla", "window"])
+def test_the_cpu_reference_attention_keeps_no_scores_per_head(kind):
     """The reference attention (SDPA under the dense mask) at T = 4096 over 4 query heads,
     forward and backward, in a fresh process: its peak memory grows by about the mask's
     (T^2 bool and its float copy, ~80 MiB), not by float32 scores and probabilities per head
-    (12 N T^2 bytes: 3-D inputs sent SDPA to its math path, 789 MiB here, 3.1 GB at T = 8192)."""
+    (12 N T^2 bytes: SDPA's math path, which 3-D inputs took, 789 MiB here, 3.1 GB at T = 8192,
+    and multi-latent attention's value head dim other than its query's, 785 MiB); with a sliding
+    window too."""
     import subprocess
     import sys
 
-    script = """
+    knobs = dict(gqa="n_kv_heads=2, head_dim=8", mla="n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5",
+                 window="n_kv_heads=2, head_dim=8, window=256")[kind]
+    script = f"""
 import resource, torch
 torch.set_num_threads(1)
 from fmoe.model import Transformer, TransformerConfig
 from fmoe.train.data import make_batch
 T = 4096
-cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=1, n_dense=1, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dense=32, mtp_depth=0)
+cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=1, n_dense=1, n_heads=4, ffn_dense=32, mtp_depth=0, {knobs})
 model = Transformer(cfg)
 batch = make_batch(torch.randint(0, 64, (T,)), torch.tensor([0, T // 2, T]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
