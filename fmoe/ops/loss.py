@@ -80,6 +80,20 @@ def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias
     return cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap)
 
 
+def _linear_ce_chunks_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V, softcap, chunk_rows):
+    """linear_cross_entropy_ref over chunk_rows rows at a time, each chunk's logits recomputed
+    in the backward (torch.utils.checkpoint): one chunk's logits and their float32 copies live
+    at a time, not N x V three times over. The chunks' sums add up in order."""
+    from torch.utils.checkpoint import checkpoint
+
+    total = None
+    for lo in range(0, h_NH.shape[0], chunk_rows):
+        part = checkpoint(linear_cross_entropy_ref, h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index, False,
+                          bias_V, softcap, use_reentrant=False)
+        total = part if total is None else total + part
+    return total / (labels_N != ignore_index).sum().clamp(min=1) if mean else total
+
+
 # ----------------------------------------------------------------------------------------
 # 2. Triton kernel
 # ----------------------------------------------------------------------------------------
@@ -567,7 +581,9 @@ def linear_cross_entropy(
     gradient in place, then dh for the chunk and its share of dweight, all in the forward;
     the backward scales the two by the incoming scalar, in place (one backward only). The
     value and gradients equal the unfused computation's up to rounding. The torch path is
-    that unfused computation.
+    that unfused computation where the rows fit one chunk; past it, the same chunk by chunk,
+    each chunk's logits recomputed in the backward (N = 2048, V = 32768 in float32: its peak
+    was the logits three times over, 768 MiB).
 
     Args:
         h: [N, H] hidden states, float32 / bfloat16 / float16.
@@ -575,7 +591,8 @@ def linear_cross_entropy(
         labels: [N] int32 / int64 in [0, V), or ignore_index.
         ignore_index, reduction, check, impl: as in cross_entropy.
         chunk_rows: rows per chunk; default: as many as keep a chunk's logits within 256 MiB
-            (1024 rows for V = 131072 in bf16). Memory: chunk_rows x V in h's dtype.
+            (1024 rows for V = 131072 in bf16). Memory: chunk_rows x V in h's dtype (the torch
+            path's: a chunk's logits and their float32 copies, 3 x chunk_rows x V floats).
         accumulate_dtype: dtype of the dweight accumulator over chunks. None (default):
             weight's dtype: each chunk's product (accumulated in float32 by the GEMM) adds
             into the final gradient in place, rounded once per chunk, as torch's own
@@ -617,7 +634,9 @@ def linear_cross_entropy(
     _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
     if not use_triton(impl, h, weight, labels):
-        return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias, softcap)
+        if h.shape[0] <= chunk_rows:
+            return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias, softcap)
+        return _linear_ce_chunks_ref(h, weight, labels, ignore_index, mean, bias, softcap, chunk_rows)
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and weight.requires_grad
     need_db = grad_on and bias is not None and bias.requires_grad
