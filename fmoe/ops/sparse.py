@@ -120,9 +120,13 @@ def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor
 
 
 def _indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """[T, S] float32: sum_n w[t, n] relu(scale q[t, n] . k[s]), through the [T, N, S] products."""
-    relu_TNS = torch.relu(torch.einsum("tnd,sd->tns", q.float(), k.float()) * scale)
-    return torch.einsum("tn,tns->ts", w.float(), relu_TNS)
+    """[T, S] float32: sum_n w[t, n] relu(scale q[t, n] . k[s]), head by head: one [T, S]
+    product at a time, not the [T, N, S] of every head (1 GiB twice at T = S = 2048, N = 64)."""
+    q, k, w = q.float(), k.float(), w.float()
+    out_TS = torch.zeros(q.shape[0], k.shape[0], device=q.device)
+    for n in range(q.shape[1]):
+        out_TS = out_TS + w[:, n, None] * torch.relu(q[:, n] @ k.T * scale)
+    return out_TS
 
 
 # ----------------------------------------------------------------------------------------

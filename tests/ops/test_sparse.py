@@ -366,3 +366,24 @@ def test_gpu_indexer_scores_at_deepseek_v32_shapes():
     torch.testing.assert_close(indexer_scores(q, w, k, impl="triton"), want, rtol=1e-5, atol=1e-4)
     got = indexer_scores(q.bfloat16(), w, k.bfloat16(), impl="triton")
     assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+def test_the_indexer_reference_sums_head_by_head():
+    """indexer_scores' torch path at T = S = 1024 over 64 heads, in a fresh process: its peak
+    grows by a few [T, S] products (4 MiB each), not by the [T, N, S] products of every head
+    at once (256 MiB, twice: 512 MiB before)."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, torch
+torch.set_num_threads(1)
+from fmoe.ops import indexer_scores
+q, w, k = torch.randn(1024, 64, 16), torch.randn(1024, 64), torch.randn(1024, 16)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+indexer_scores(q, w, k, impl="torch")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) < 64, out.stdout  # MiB
