@@ -2487,11 +2487,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         o_TNC = _with_sinks(o_TNC, lse_TN, sinks)  # HY-V4's
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
     elif isinstance(mask, (torch.Tensor, MaskRows)) and with_sinks:
-        bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases (or the probabilities the CSA indexer's loss reads)
+        alibi = None  # the reference, with sinks, a cap or ALiBi's biases (or the probabilities the CSA indexer's loss reads)
         if slopes_N is not None:
-            q_pos, kv_pos = _alibi_distances(ctx, *mask.shape, x.device)
-            bias_NTS = slopes_N.float()[:, None, None] * (kv_pos[None, :] - q_pos[:, None]).float()
-        out_NTD, target_TJ = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS,
+            alibi = (slopes_N, *_alibi_distances(ctx, *mask.shape, x.device))
+        out_NTD, target_TJ = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, alibi,
                                                    chosen=(slots_TJ, n_keys) if csa and train_index else None)
     elif isinstance(mask, torch.Tensor):  # the reference
         # as a batch of one: torch's CPU flash kernel takes 4-D inputs only; on 3-D ones SDPA falls to its math path,
@@ -2729,10 +2728,11 @@ def _query_block(n_heads: int, n_keys: int) -> int:
     return max(1, _SCORE_ROWS // max(1, n_heads * n_keys))
 
 
-def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None, *,
+def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, alibi=None, *,
                           chosen: Optional[tuple] = None):
     """The reference attention with sinks (None: none), capped scores (softcap, None: none)
-    and ALiBi's biases (bias_NTS, None: none): softmax over [the allowed scores, the head's
+    and ALiBi's biases (alibi: (slopes [N], query positions [T], key positions [S]), each
+    block's biases made in the block; None: none): softmax over [the allowed scores, the head's
     sink], the sink's share dropped (it has no value), in float32: (out [N, T, Dv] in q's
     dtype, target). For blocks of queries whose scores [N, block, S] hold about
     _SCORE_ROWS floats, each recomputed in the backward where there are several
@@ -2744,15 +2744,14 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     (never [T, S] values)."""
     T, block = q_NTD.shape[1], _query_block(q_NTD.shape[0], k_GTD.shape[1])
     fn = functools.partial(_sinks_block, mask_TS=mask_TS, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
-                           n_keys=None if chosen is None else chosen[1])
+                           n_keys=None if chosen is None else chosen[1], alibi=alibi)
     slots_TJ = None if chosen is None else chosen[0]
     if block >= T:
-        return fn(q_NTD, slice(None), bias_NTS, slots_TJ)
+        return fn(q_NTD, slice(None), slots_TJ)
     outs, targets = [], []
     for t0 in range(0, T, block):
         b = slice(t0, t0 + block)
-        out, target = checkpoint(fn, q_NTD[:, b], b, None if bias_NTS is None else bias_NTS[:, b], None if slots_TJ is None else slots_TJ[b],
-                                 use_reentrant=False)
+        out, target = checkpoint(fn, q_NTD[:, b], b, None if slots_TJ is None else slots_TJ[b], use_reentrant=False)
         outs.append(out)
         targets.append(target)
     return torch.cat(outs, dim=1), None if chosen is None else torch.cat(targets)
@@ -2826,10 +2825,14 @@ def _with_sinks(o_TND: torch.Tensor, lse_TN: torch.Tensor, sinks_N: Optional[tor
     return (o_TND.float() * torch.sigmoid(lse_TN - sinks_N.float())[..., None]).to(o_TND.dtype)
 
 
-def _sinks_block(q_NBD, b: slice, bias_NBS, slots_BJ, *, mask_TS, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):
+def _sinks_block(q_NBD, b: slice, slots_BJ, *, mask_TS, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys, alibi):
     """_attention_with_sinks of the block b of B queries: (out [N, B, Dv], target [B, J] or None)."""
     (N, B, _), (G, S, Dv) = q_NBD.shape, v_GTD.shape
     mask_BS = _mask_rows(mask_TS, b)
+    bias_NBS = None
+    if alibi is not None:  # the block's own biases: [N, B, S], never [N, T, S] (1 GiB at T = 8192, 4 heads)
+        slopes_N, q_pos_T, kv_pos_S = alibi
+        bias_NBS = slopes_N.float()[:, None, None] * (kv_pos_S[None, :] - q_pos_T[b][:, None]).float()
     scores_NBS = _masked_scores(q_NBD, k_GTD, mask_BS, scale, softcap, bias_NBS)
     if sinks_N is None:
         probs_NBS = torch.softmax(scores_NBS, dim=-1)
