@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.utils.checkpoint import checkpoint
 
 from fmoe.ops.backend import next_pow2, tanh, use_triton
 from fmoe.ops.checks import check_bools, check_device, check_float, check_index, check_positive_int, checking
@@ -84,8 +85,6 @@ def _linear_ce_chunks_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V,
     """linear_cross_entropy_ref over chunk_rows rows at a time, each chunk's logits recomputed
     in the backward (torch.utils.checkpoint): one chunk's logits and their float32 copies live
     at a time, not N x V three times over. The chunks' sums add up in order."""
-    from torch.utils.checkpoint import checkpoint
-
     total = None
     for lo in range(0, h_NH.shape[0], chunk_rows):
         part = checkpoint(linear_cross_entropy_ref, h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index, False,
