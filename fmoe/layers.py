@@ -2496,8 +2496,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         # as a batch of one: torch's CPU flash kernel takes 4-D inputs only; on 3-D ones SDPA falls to its math path,
         # which keeps float32 scores and probabilities per head (12 N bytes a query-key pair: 3.1 GB at T = 8192, N = 4)
         q, k, v, Dv = q_NTD, k_GTD, v_GTD, v_GTD.shape[-1]
-        if not q.is_cuda and Dv != q.shape[-1]:  # and the same head dim for q, k and v (multi-latent attention's 192 and 128):
-            # zeros added to the smaller change no score (the scale is given) and no output channel kept
+        if not q.is_cuda and Dv != q.shape[-1] and (torch.compiler.is_compiling() or torch.backends.cuda.flash_sdp_enabled()):
+            # and the same head dim for q, k and v (multi-latent attention's 192 and 128): zeros added to the smaller change no
+            # score (the scale is given) and no output channel kept (not where the flash kernels are turned off: sdpa_kernel)
             D = max(Dv, q.shape[-1])
             q, k, v = (F.pad(t, (0, D - t.shape[-1])) for t in (q, k, v))
         out_NTD = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)[0, ..., :Dv]

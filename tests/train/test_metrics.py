@@ -789,6 +789,7 @@ def test_sparse_attention_indexer_counts_what_runs(coeff, knobs):
     formula was 2432 FLOPs a token short of 165728. Blocks reusing an earlier choice
     (index_shared_layers) have none; the MTP block has one. k above the computing experts is
     refused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from fmoe.model import Transformer, TransformerConfig
@@ -800,7 +801,7 @@ def test_sparse_attention_indexer_counts_what_runs(coeff, knobs):
     T = 24
     model = Transformer(cfg)
     batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, T]), cfg.mtp_depth)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):  # the math path's products, counted
         losses, _ = model(batch, model.context(batch))
         sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, n_avg_index_keys=T)
@@ -878,13 +879,15 @@ def test_flops_per_token_matches_counted_matmuls(name):
     """torch.utils.flop_counter.FlopCounterMode on one forward + backward of a tiny
     Transformer (impl="torch", CPU) counts the matmuls the formula is made of. What it
     counts: aten.mm (every projection, expert, router, MTP projection and head matmul,
-    forward, dX and dW) and aten.bmm (attention: on CPU scaled_dot_product_attention with
-    the dense mask runs its math path, q k^T and p v over ALL T x T pairs, the mask applied
-    but not exploited). So the count equals the formula with n_avg_keys = T (every key),
+    forward, dX and dW) and aten.bmm (attention: scaled_dot_product_attention with the
+    dense mask on its math path, chosen here (torch's CPU flash kernel, which the model
+    reaches otherwise, is not counted by FlopCounterMode): q k^T and p v over ALL T x T pairs,
+    the mask applied but not exploited). So the count equals the formula with n_avg_keys = T (every key),
     exactly, and the mm part alone equals the formula without its score term. Every token
     has all k routes (no capacity), so the experts see T k rows. Hyper-connections' weighted
     sums of the streams (and mixing) are batched products too (aten.bmm), their weights'
     projections aten.mm; so are the grouped output projection's group products (wo_a)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from fmoe.model import Transformer, TransformerConfig
@@ -896,7 +899,7 @@ def test_flops_per_token_matches_counted_matmuls(name):
     T = 24
     model = Transformer(cfg)
     batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, 10, T]), cfg.mtp_depth)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
         losses, _ = model(batch, model.context(batch))
         sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
