@@ -119,13 +119,21 @@ def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor
     return torch.where(_holds_key(index, kv.shape[0])[:, None, :], torch.exp(s_TNJ - lse_TN1), 0.0).sum(1)
 
 
+_INDEXER_GROUP_FLOATS = 1 << 22  # the indexer reference's products at a time: 16 MiB of float32
+
+
 def _indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """[T, S] float32: sum_n w[t, n] relu(scale q[t, n] . k[s]), head by head: one [T, S]
-    product at a time, not the [T, N, S] of every head (1 GiB twice at T = S = 2048, N = 64)."""
+    """[T, S] float32: sum_n w[t, n] relu(scale q[t, n] . k[s]), through the [T, g, S]
+    products of g heads at a time, g T S within _INDEXER_GROUP_FLOATS (16 MiB; one head at
+    least), not the [T, N, S] of every head at once (1 GiB twice at T = S = 2048, N = 64)."""
     q, k, w = q.float(), k.float(), w.float()
-    out_TS = torch.zeros(q.shape[0], k.shape[0], device=q.device)
-    for n in range(q.shape[1]):
-        out_TS = out_TS + w[:, n, None] * torch.relu(q[:, n] @ k.T * scale)
+    (T, N), S = w.shape, k.shape[0]
+    g = max(1, min(N, _INDEXER_GROUP_FLOATS // max(1, T * S)))
+    out_TS = None
+    for n in range(0, N, g):
+        relu_TgS = torch.relu(torch.einsum("tnd,sd->tns", q[:, n:n + g], k) * scale)
+        part_TS = torch.einsum("tn,tns->ts", w[:, n:n + g], relu_TgS)
+        out_TS = part_TS if out_TS is None else out_TS + part_TS
     return out_TS
 
 

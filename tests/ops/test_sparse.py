@@ -368,10 +368,10 @@ def test_gpu_indexer_scores_at_deepseek_v32_shapes():
     assert float((got - want).norm() / want.norm()) < 1e-2
 
 
-def test_the_indexer_reference_sums_head_by_head():
+def test_the_indexer_reference_sums_a_group_of_heads_at_a_time():
     """indexer_scores' torch path at T = S = 1024 over 64 heads, in a fresh process: its peak
-    grows by a few [T, S] products (4 MiB each), not by the [T, N, S] products of every head
-    at once (256 MiB, twice: 512 MiB before)."""
+    grows by the products of a group of 4 heads (16 MiB, twice) and a few [T, S] sums (4 MiB
+    each), not by the [T, N, S] products of every head at once (256 MiB, twice: 512 MiB)."""
     import subprocess
     import sys
 
