@@ -116,8 +116,9 @@ def _assert_same(records, ref, keys=KEYS, loose=()):
     for got, want in zip(records, ref):
         for key in keys:
             # the indexer's loss, a KL divergence near 0 at the start (7e-6 in the DSA run), sums terms of about 1 that
-            # cancel: float32 leaves an absolute error of about 1e-10 that is not relative to it
-            near = dict(abs=1e-8) if key == "index_loss" else {}
+            # cancel: float32 leaves an absolute error that is not relative to it (about 1e-10 on SDPA's math path; 1.04e-8 at
+            # step 5 of dsa-pp2 with the reference attention on torch's CPU flash kernel, whose probabilities the loss reads)
+            near = dict(abs=3e-8) if key == "index_loss" else {}
             assert got[key] == pytest.approx(want[key], rel=5e-5 if key in loose else 1e-5, **near), (got["step"], key, got[key], want[key])
         assert got["tokens_per_expert"] == want["tokens_per_expert"], got["step"]  # counts summed over every rank
         assert got["zero_grads"] == want["zero_grads"], got["step"]  # each gradient entry counted once on any mesh
