@@ -277,6 +277,7 @@ def _unshared_case(rank, world, shared, private):
     same = unshared_dir(shared)
     dist.barrier()  # rank 0 removed its file
     left = sorted(p.name for p in pathlib.Path(shared).iterdir())
+    dist.barrier()  # both looked before rank 0 writes its next file there (a slow rank 1 saw it under load)
     own = unshared_dir(shared if rank == 0 else private, wait_seconds=0.5)  # rank 1 on "its own disk"
     return same, left, own
 
