@@ -251,6 +251,11 @@ def _differing_models(every: list) -> str:
 SCHEDULE_KNOBS = ("steps", "lr", "min_lr", "init_lr", "warmup", "lr_style", "wsd_decay", "wsd_style")
 
 
+def _warmup_steps(cfg: Config) -> int:
+    """The run's warmup steps: --warmup, or for -1 its default, 20 steps or a tenth of a shorter run."""
+    return cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
+
+
 def _lr_schedule(knobs: dict, warmup: int, wsd_decay: int) -> dict:
     """lr_at's keywords for the run knobs `knobs` (Config's, or a run's config.json "config")
     with their warmup and wsd_decay steps resolved: a factor on each group's lr (--lr's 1)."""
@@ -336,8 +341,11 @@ def parse_args(argv: list[str]) -> Config:
     if cfg.lr_style != "wsd" and (cfg.wsd_decay != -1 or cfg.wsd_style != "linear"):  # the decay of wsd's last steps: no effect otherwise
         knob = "--wsd_decay" if cfg.wsd_decay != -1 else "--wsd_style"
         sys.exit(f"{knob}: shapes --lr_style=wsd's final decay; this run's --lr_style is {cfg.lr_style}")
-    if cfg.init_lr > 0 and cfg.warmup == 0:
-        sys.exit(f"--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr={cfg.init_lr})")
+    if cfg.init_lr > 0 and _warmup_steps(cfg) == 0:  # --warmup=0, or the default's for a run under 10 steps
+        if cfg.warmup == 0:
+            sys.exit(f"--init_lr: the lr the warmup starts at; --warmup=0 has none (got --init_lr={cfg.init_lr})")
+        sys.exit(f"--init_lr: the lr the warmup starts at; this run of {cfg.steps} steps has none (the default --warmup is a tenth of "
+                 f"the run, at most 20 steps; got --init_lr={cfg.init_lr})")
     defaults = Config()  # knobs set away from their default where they can have no effect: refused, not ignored
     if cfg.ns_dtype != defaults.ns_dtype and cfg.optimizer != "muon":
         sys.exit(f"--ns_dtype: Muon's Newton-Schulz dtype; this run's --optimizer is {cfg.optimizer}")
@@ -702,10 +710,7 @@ def main(argv: list[str]) -> None:
     knobs = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
 
     # the schedule gives a factor on each group's lr; checked once here, with a message
-    warmup = cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
-    if cfg.init_lr > 0 and warmup == 0:  # the default's: a tenth of a run under 10 steps
-        sys.exit(f"--init_lr: the lr the warmup starts at; this run of {cfg.steps} steps has none (the default --warmup is a tenth of "
-                 f"the run, at most 20 steps; got --init_lr={cfg.init_lr})")
+    warmup = _warmup_steps(cfg)
     wsd_decay = cfg.wsd_decay if cfg.wsd_decay >= 0 else math.ceil((cfg.steps - warmup) / 5)
     schedule = _lr_schedule(vars(cfg), warmup, wsd_decay)
     try:
