@@ -1503,6 +1503,12 @@ class AttentionContext:
         positions [K], has_prev [K] bool) -> [K, D + index_head_dim] (the previous run's tokens,
         then the run's; has_prev False for a document's first run), and gives back the
         entries [S, D + index_head_dim] (the attention's, then the indexer's).
+    additive_masks: a cache, left to its default (and shared by the contexts
+        dataclasses.replace makes of this one): mask and local_mask as the additive float
+        masks (0 seen, -inf not) that the reference's SDPA calls take, one per dtype, made by
+        the first layer that needs one. SDPA turns a bool mask into such a float copy of its
+        own and keeps it for the backward: 4 T S bytes a layer (256 MiB at T = 8192), where
+        every layer now shares one.
     """
 
     cos: torch.Tensor
@@ -1526,6 +1532,7 @@ class AttentionContext:
     kv_index: Optional[torch.Tensor] = None
     compressed: Optional[Callable] = None
     rope: Optional[tuple] = None
+    additive_masks: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 # the knobs cos and sin are made from (rope_tables), the width aside (checked by the tables' shape)
@@ -2265,6 +2272,21 @@ def _check_ctx(ctx, T: int, rot: int) -> None:
         raise ValueError(f"ctx: RoPE tables of shape {tuple(ctx.cos.shape)} do not fit x's {T} tokens and rot_dim {rot} (expected ({T}, {rot // 2}))")
 
 
+def _additive_mask(ctx: AttentionContext, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The context's bool mask (ctx.mask or ctx.local_mask, by identity) as SDPA's additive
+    mask of `dtype`, made once per context (AttentionContext.additive_masks): the same bits
+    SDPA's own conversion gives (0 where True, -inf where False). Any other mask (a
+    layer's own: a top-k choice, compressed entries appended), and a mask seen while
+    compiling, goes to SDPA as it is."""
+    if torch.compiler.is_compiling() or mask.dtype != torch.bool or not (mask is ctx.mask or mask is ctx.local_mask):
+        return mask
+    key = (id(mask), dtype)
+    made = ctx.additive_masks.get(key)
+    if made is None or made[0] is not mask:  # the mask is kept with its copy: its id stays its own
+        made = ctx.additive_masks[key] = (mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf")))
+    return made[1]
+
+
 def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext, *, heads_mean=None, index_choice=None):
     """Causal grouped-query self-attention over packed documents; no host sync.
 
@@ -2501,7 +2523,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             # score (the scale is given) and no output channel kept (not where the flash kernels are turned off: sdpa_kernel)
             D = max(Dv, q.shape[-1])
             q, k, v = (F.pad(t, (0, D - t.shape[-1])) for t in (q, k, v))
-        out_NTD = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)[0, ..., :Dv]
+        out_NTD = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=_additive_mask(ctx, mask, q.dtype), scale=softmax_scale(cfg),
+                                                 enable_gqa=True)[0, ..., :Dv]
     else:
         if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params.values())):
             raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
