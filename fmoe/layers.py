@@ -2744,6 +2744,7 @@ def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
 
 
 _SCORE_ROWS = 1 << 26  # the reference's scores per block of queries (float32 numbers): 256 MiB
+_KEPT_SCORES = 1 << 22  # the most scores a layer's one block keeps for its backward (16 MiB); past it, recomputed there
 
 
 def _query_block(n_heads: int, n_keys: int) -> int:
@@ -2759,9 +2760,11 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     block's biases made in the block; None: none): softmax over [the allowed scores, the head's
     sink], the sink's share dropped (it has no value), in float32: (out [N, T, Dv] in q's
     dtype, target). For blocks of queries whose scores [N, block, S] hold about
-    _SCORE_ROWS floats, each recomputed in the backward where there are several
-    (torch.utils.checkpoint): the scores and probabilities of every query, [N, T, S] float32,
-    are never kept at once (5.4 GB per layer at 64 heads, T = 4096, S = 5120). chosen
+    _SCORE_ROWS floats, each recomputed in the backward (torch.utils.checkpoint): the scores
+    and probabilities of every query, [N, T, S] float32, are never kept at once (5.4 GB per
+    layer at 64 heads, T = 4096, S = 5120); one block of more than _KEPT_SCORES scores is
+    recomputed too (kept, each layer's would stay until the backward: 784 MiB a layer at 4
+    heads, T = 4096, with sinks), a smaller one kept (no grad: never recomputed). chosen
     (slots [T, J] int64, n_keys): target [T, J] float32, the heads' probabilities summed at
     columns n_keys + slots (0 in an empty slot, -1; no gradient); None: target None. mask:
     a [T, S] bool tensor or its rule (MaskRows), whose rows each block makes for itself
@@ -2770,7 +2773,7 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     fn = functools.partial(_sinks_block, mask_TS=mask_TS, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
                            n_keys=None if chosen is None else chosen[1], alibi=alibi)
     slots_TJ = None if chosen is None else chosen[0]
-    if block >= T:
+    if block >= T and (q_NTD.shape[0] * T * k_GTD.shape[1] <= _KEPT_SCORES or not torch.is_grad_enabled()):
         return fn(q_NTD, slice(None), slots_TJ)
     outs, targets = [], []
     for t0 in range(0, T, block):

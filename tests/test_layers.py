@@ -819,3 +819,37 @@ def test_the_cpu_reference_attention_makes_one_float_mask_per_context(knobs, mon
     assert torch.equal(loss, loss_before)
     for g, g_before in zip(grads, grads_before):
         assert torch.equal(g, g_before)
+
+
+@pytest.mark.parametrize("knobs", [dict(attn_sinks=True), dict(attn_softcap=20.0), dict(alibi=True)], ids=["sinks", "softcap", "alibi"])
+def test_the_reference_s_one_block_of_many_scores_is_recomputed_in_the_backward(knobs, monkeypatch):
+    """The reference with sinks, a softcap or ALiBi's biases over one block of queries (its
+    scores within fmoe.layers._SCORE_ROWS) kept that block's float32 scores and probabilities
+    [N, T, S] for the backward in every layer (784 MiB a layer at 4 heads, T = 4096, with
+    sinks), where past one block nothing was kept: past fmoe.layers._KEPT_SCORES scores the
+    one block is recomputed too. Nothing kept is as large as the scores then, and the losses
+    and gradients are the kept block's bits."""
+    import fmoe.layers as L
+    from fmoe.model import Transformer
+    from fmoe.train.data import make_batch
+
+    T, N = 64, 4
+    cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=2, n_heads=N, n_kv_heads=2, head_dim=8, ffn_dense=32, **knobs)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    batch = make_batch(torch.randint(0, 64, (T,)), torch.tensor([0, 20, T]))
+    runs = []
+    for kept_scores in (None, N * T * T - 1):  # as many as the model's (kept); one fewer (recomputed)
+        if kept_scores is not None:
+            monkeypatch.setattr(L, "_KEPT_SCORES", kept_scores)
+        model.zero_grad()
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.untyped_storage().nbytes()) or t, lambda t: t):
+            losses, _ = model(batch, model.context(batch))
+        losses["lm_sum"].backward()
+        runs.append((max(sizes), losses["lm_sum"].detach(), [p.grad.clone() for p in model.parameters()]))
+    (largest_kept, loss_kept, grads_kept), (largest, loss, grads) = runs
+    assert largest_kept >= 4 * N * T * T > largest
+    assert torch.equal(loss, loss_kept)
+    for g, g_kept in zip(grads, grads_kept):
+        assert torch.equal(g, g_kept)
