@@ -3109,6 +3109,7 @@ class Transformer(nn.Module):
                              "(make the cache with model.kv_cache)")
         if not isinstance(input_ids, torch.Tensor):  # a list of ids: torch.tensor(ids) on the model's device
             raise ValueError(f"input_ids: expected a tensor [T] or [S, T] int64, got {type(input_ids).__name__}")
+        _refuse_autocast(input_ids)  # before any layer writes: a linear layer's states took the refused tokens in
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.shape[0] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected [T] or [S, T] int64 with S, T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
         computes = self.compute_dtype or self.embed.dtype

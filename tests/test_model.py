@@ -3393,6 +3393,26 @@ def test_the_moe_layer_runs_under_autocast_and_the_reference_model_says_it_does_
         model.logits(ids, cu)
 
 
+@pytest.mark.parametrize("name", ["gated deltanet", "mamba2"])
+def test_decode_under_autocast_is_refused_before_any_layer_writes(name):
+    """decode under torch.autocast is refused as forward and logits are, before any layer
+    writes the cache: a hybrid's linear layers took the refused tokens into their states
+    (the next call's logits were 5 off the right ones), and a model without attention
+    decoded in bf16 (0.06 off)."""
+    cfg = dataclasses.replace(VARIANTS[name], mtp_depth=0)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    prompt, refused, then = torch.randint(0, cfg.vocab_size, (5,)), torch.randint(0, cfg.vocab_size, (2,)), torch.randint(0, cfg.vocab_size, (1,))
+    cache, fresh = model.kv_cache(16), model.kv_cache(16)
+    model.decode(prompt, cache)
+    model.decode(prompt, fresh)
+    states = (cache.conv.clone(), cache.state.clone())
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"^torch\.autocast: the reference Transformer computes"):
+        model.decode(refused, cache)
+    assert cache.lengths == [5] and torch.equal(cache.conv, states[0]) and torch.equal(cache.state, states[1])
+    assert torch.equal(model.decode(then, cache), model.decode(then, fresh))
+
+
 def test_inert_knobs_names_a_feature_s_knobs_set_without_it():
     """inert_knobs(): the knobs away from their defaults whose feature the model lacks (a
     NaN among them), each with what it needs; none once the feature is on. local_rope_dim 0
