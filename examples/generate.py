@@ -17,7 +17,8 @@ decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: gre
 tokens whose probability reaches --top_p (nucleus sampling), continuation i from a
 generator of its own seeded by --seed + i (so continuation 0 of --samples=4 is the one of
 --samples=1, whatever the others draw). The prompt runs once, then each new token alone against the keys and values of
-the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens).
+the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens, made up
+front: refused, naming --tokens and its bytes, where it would not fit the device's free memory).
 A run on prepared token files speaks the tokenizer their index names (when that file is
 here; fmoe.train.prepare records it). Generation stops after --tokens new tokens or at the
 end-of-document token (an HF folder's generation_config.json eos_token_id, one id or
@@ -65,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 import fmoe.parallel as parallel
-from fmoe.model import Transformer
+from fmoe.model import KVCache, Transformer
 from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
@@ -429,7 +430,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     gens = [torch.Generator().manual_seed((seed + b) % 2**64) for b in range(len(prompts))]
     out = [list(prompt) for prompt in prompts]
     device = model.embed.device
-    cache = model.kv_cache(max(map(len, prompts)) + tokens, batch=len(prompts))
+    cache = _kv_cache(model, max(map(len, prompts)) + tokens, len(prompts), device, group)
     logits = [model.decode(torch.tensor(prompt, device=device), cache, seqs=b)[-1] for b, prompt in enumerate(prompts)]
     active = list(range(len(prompts)))
     for step in range(tokens):
@@ -450,6 +451,44 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     return out
 
 
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """The bytes free for new tensors on device: CUDA's free memory, the host's available
+    memory (Linux's MemAvailable); None where it is not known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def _kv_cache(model: Transformer, max_tokens: int, batch: int, device: torch.device, group) -> KVCache:
+    """model.kv_cache(max_tokens, batch), refused (a ValueError naming tokens) where it holds
+    more bytes than the device has free, before it is allocated (a huge --tokens ended in
+    the allocator's traceback, or the host's out-of-memory kill), or where its allocation
+    fails. With a group, every rank refuses if one does."""
+    need, free = model.kv_cache(max_tokens, batch, device="meta").nbytes, _free_bytes(device)
+    short = mine = free is not None and need > free
+    if group is not None:  # one rank short of memory: all refuse, none waits on it in a collective
+        flag = torch.tensor([float(mine)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        short = bool(flag.item())
+    said = (f"tokens: the KV cache of {batch} sequence(s) of up to {max_tokens} tokens (the prompt and the new tokens) takes "
+            f"{need / 2**30:.2f} GiB")
+    if short:
+        raise ValueError(f"{said}, more than {f'the {free / 2**30:.2f} GiB free on {device}' if mine else 'another rank has free'}: "
+                         "ask for fewer tokens")
+    try:
+        return model.kv_cache(max_tokens, batch)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if isinstance(err, torch.OutOfMemoryError) or "allocate" in str(err):
+            raise ValueError(f"{said}, which {device.type} could not allocate ({str(err).splitlines()[0]:.120}): ask for fewer tokens") from err
+        raise
+
+
 def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
     """Greedy (temperature 0), else a draw from softmax(logits / temperature) (logits [V])
     over the smallest set of most likely tokens whose probability reaches top_p. A row with
@@ -463,7 +502,7 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
         return int(logits.argmax())
     # from the largest logit, in float64: a tiny temperature sends the others to -inf (greedy), never the largest to inf or nan
     probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1)
-    sorted_p, order = probs.sort(descending=True)
+    sorted_p, order = probs.sort(descending=True, stable=True)  # ties in id order: a tiny top_p keeps greedy's token
     keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix reaching top_p
     sorted_p = sorted_p * keep
     return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])

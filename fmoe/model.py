@@ -3036,10 +3036,11 @@ class Transformer(nn.Module):
         cap = self.cfg.logit_softcap
         return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap
 
-    def kv_cache(self, max_tokens: int, batch: int = 1) -> KVCache:
+    def kv_cache(self, max_tokens: int, batch: int = 1, *, device=None) -> KVCache:
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the
-        model's device, in the dtype it computes in (its parameters', or FSDP2's param_dtype
-        under fmoe.parallel.parallelize). Under tensor parallelism it holds this rank's kv
+        model's device (or `device`: "meta" sizes one, its nbytes, allocating nothing), in the
+        dtype it computes in (its parameters', or FSDP2's param_dtype under
+        fmoe.parallel.parallelize). Under tensor parallelism it holds this rank's kv
         heads (n_kv_heads / tp, or the one its query heads read where there are fewer kv heads
         than tp ranks; multi-latent attention's latents are every rank's) and the states of its
         linear-attention heads."""
@@ -3055,7 +3056,8 @@ class Transformer(nn.Module):
             if getattr(self.cfg, name) is not None:
                 heads[name] = max(1, getattr(self.cfg, name) // tp)
         cfg = dataclasses.replace(self.cfg, **heads) if any(getattr(self.cfg, k) != v for k, v in heads.items()) else self.cfg
-        return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.compute_dtype or self.embed.dtype)
+        return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device if device is None else device,
+                       dtype=self.compute_dtype or self.embed.dtype)
 
     def _token_multiple(self) -> int:
         """The number a forward's token count must divide by: the tp ranks' (sequence

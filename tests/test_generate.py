@@ -340,6 +340,39 @@ def test_a_tiny_temperature_samples_the_greedy_tokens(run_dir):
     assert generate._next_token(torch.tensor([3.0, 1e4, -1e4]), 1e-45, 1.0, gen) == 1
 
 
+def test_a_tiny_top_p_among_tied_logits_keeps_greedy_s_token():
+    """Tied most likely tokens (40 equal logits): a top_p that keeps one token keeps the
+    lowest id, greedy's (argmax's) token; the descending sort was not stable and kept
+    another (id 30 of 40)."""
+    for seed in range(5):
+        for logits in (torch.zeros(40), torch.tensor([0.0] * 3 + [1.0] * 40)):
+            want = int(logits.argmax())
+            assert generate._next_token(logits, 1.0, 1e-6, torch.Generator().manual_seed(seed)) == want
+
+
+def test_a_kv_cache_larger_than_the_free_memory_is_refused_before_it_is_made(run_dir, monkeypatch):
+    """The KV cache of prompt + tokens is allocated up front: more bytes than the device has
+    free is a ValueError naming tokens and the bytes, sized on the meta device before any
+    allocation (--tokens=1e8 on a toy model ended in the allocator's RuntimeError, or the
+    host's out-of-memory kill); an allocation that fails all the same, where the free memory
+    is not known, is the same ValueError."""
+    model, prompt = run_dir[1], list(b"def ")
+    said = r"^tokens: the KV cache of 2 sequence\(s\) of up to 1000000000004 tokens \(the prompt and the new tokens\) takes [0-9.]+ GiB, "
+    need = model.kv_cache(10**12 + 4, 2, device="meta").nbytes
+    assert need > 10**12 and model.kv_cache(8, 2, device="meta").k.device.type == "meta"
+    if generate._free_bytes(torch.device("cpu")) is not None:
+        with pytest.raises(ValueError, match=said + r"more than the [0-9.]+ GiB free on cpu: ask for fewer tokens$"):
+            generate.generate_many(model, [prompt, prompt], tokens=10**12)
+    monkeypatch.setattr(generate, "_free_bytes", lambda device: None)
+    with pytest.raises(ValueError, match=said + r"which cpu could not allocate \(.*\): ask for fewer tokens$"):
+        generate.generate_many(model, [prompt, prompt], tokens=10**12)
+    monkeypatch.setattr(generate, "_free_bytes", lambda device: 1000)  # below this cache's bytes
+    with pytest.raises(ValueError, match=said.replace("1000000000004", "10") + r"more than the 0.00 GiB free on cpu"):
+        generate.generate_many(model, [prompt, prompt], tokens=6)
+    monkeypatch.setattr(generate, "_free_bytes", lambda device: 10**9)
+    assert generate.generate_many(model, [prompt, prompt], tokens=6) == [generate.generate(model, prompt, tokens=6)] * 2
+
+
 def test_logits_with_nothing_to_draw_from_name_the_problem():
     """A NaN, +inf or no finite logit (a broken model): a ValueError saying so, for greedy
     decoding too (argmax took the NaN's place silently; multinomial raised its own
