@@ -2934,7 +2934,9 @@ class Transformer(nn.Module):
         cp = self.context_parallel.attention_kwargs(batch["token_index"]) if split else {}
         trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg, **cp)
         full = dataclasses.replace(cfg, window=None, chunk=None)  # the MTP blocks attend to every earlier token
-        depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], full, mask=trunk.mask, **cp) for d in range(self.cfg.mtp_depth)]
+        # the trunk's mask, and its additive copies (AttentionContext.additive_masks: one for every layer)
+        depths = [dataclasses.replace(attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], full, mask=trunk.mask, **cp),
+                                      additive_masks=trunk.additive_masks) for d in range(self.cfg.mtp_depth)]
         return BatchContext((trunk, *depths))
 
     def _lm_loss(self, h_TH, labels, loss_mask, norm=None):

@@ -779,23 +779,25 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
     assert float(out.stdout.split()[-1]) < limit, out.stdout  # MiB
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(window=64, window_layers=(1, 2)), dict(dtype=torch.bfloat16)], ids=["full", "window", "bf16"])
+@pytest.mark.parametrize("knobs", [dict(), dict(window=64, window_layers=(1, 2)), dict(dtype=torch.bfloat16), dict(mtp_depth=2)],
+                         ids=["full", "window", "bf16", "mtp"])
 def test_the_cpu_reference_attention_makes_one_float_mask_per_context(knobs, monkeypatch):
     """Every layer's SDPA call turned the context's bool [T, T] mask into a float copy of its
     own and kept it for the backward (4 T^2 bytes a layer: 256 MiB at T = 8192); the layers
     now share one per mask (and dtype), made once per context: the saved [T, T] masks of a
-    4-layer model are as many as its distinct masks, and the losses and gradients are the
-    bits of the bool masks'."""
+    4-layer model are as many as its distinct masks (the MTP depths' blocks use the trunk's),
+    and the losses and gradients are the bits of the bool masks'."""
     import fmoe.layers as L
     from fmoe.model import Transformer
     from fmoe.train.data import make_batch
 
     dtype = knobs.pop("dtype", torch.float32)
     T = 192
+    knobs.setdefault("mtp_depth", 0)
     cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=4, n_dense=4, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dense=32, **knobs)
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
-    batch = make_batch(torch.randint(0, 64, (T,)), torch.tensor([0, 50, T]))
+    batch = make_batch(torch.randint(0, 64, (T,)), torch.tensor([0, 50, T]), mtp_depth=cfg.mtp_depth)
 
     def run():
         model.zero_grad()
@@ -808,14 +810,14 @@ def test_the_cpu_reference_attention_makes_one_float_mask_per_context(knobs, mon
 
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             losses, _ = model(batch, model.context(batch))
-        losses["lm_sum"].backward()
-        return len(masks), losses["lm_sum"].detach(), [p.grad.clone() for p in model.parameters()]
+        sum(losses[k] for k in losses.keys() if k.endswith("_sum")).backward()
+        return len(masks), torch.stack([losses[k].detach() for k in sorted(losses.keys())]), [p.grad.clone() for p in model.parameters()]
 
     n_masks, loss, grads = run()
     assert n_masks == (2 if "window" in knobs else 1)
     monkeypatch.setattr(L, "_additive_mask", lambda ctx, mask, dtype: mask)  # SDPA's own copy, a layer at a time
     n_before, loss_before, grads_before = run()
-    assert n_before == 4
+    assert n_before == 4 + cfg.mtp_depth
     assert torch.equal(loss, loss_before)
     for g, g_before in zip(grads, grads_before):
         assert torch.equal(g, g_before)
