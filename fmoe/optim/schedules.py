@@ -90,9 +90,10 @@ def lr_at(
     max_lr:    peak lr, > 0;  min_lr: floor, 0 <= min_lr <= max_lr;  init_lr: warmup start, >= 0
     total:     D, the step where the decay ends (>= warmup);  warmup: W, >= 0
     style:     constant | linear | cosine | inverse_sqrt | wsd  (constant: max_lr after the
-               warmup, past total too; linear, cosine and wsd reach min_lr by total and stay
-               there; inverse_sqrt decays as 1/sqrt(step), floored at min_lr, and gives
-               min_lr past total)
+               warmup, past total too; linear, cosine and wsd with wsd_decay > 0 reach min_lr
+               by total and stay there, wsd with wsd_decay 0 at total + 1 (max_lr at total);
+               inverse_sqrt decays as 1/sqrt(step), floored at min_lr, and gives min_lr past
+               total)
     wsd_decay: D_wsd, the length of WSD's final decay, an integer >= 0; with style="wsd" (the
                only one that uses it) at most total - warmup;  wsd_style: linear | cosine |
                exponential | minus_sqrt
@@ -103,6 +104,8 @@ def lr_at(
     1.0
     >>> lr_at(102, max_lr=1.0, min_lr=0.1, total=100, style="constant")
     1.0
+    >>> [lr_at(n, max_lr=1.0, min_lr=0.1, total=100, style="wsd") for n in (100, 101)]
+    [1.0, 0.1]
     >>> round(lr_at(90, max_lr=1.0, min_lr=0.1, total=100, warmup=10, style="wsd",
     ...             wsd_decay=20, wsd_style="minus_sqrt"), 4)
     0.3636
