@@ -161,7 +161,9 @@ class Config:
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # compute: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16;
                                     # weights, gradient sums and optimizer steps stay float32
-    compile: bool = False           # torch.compile the model (forward and backward; each pipeline stage's in place)
+    compile: bool = False           # torch.compile the model (forward and backward; each pipeline stage's in place); the graphs
+                                    # and graph breaks are printed at the end (--model.impl=torch: the grouped GEMMs read their
+                                    # offsets on the host, a break in each MoE layer)
     deterministic: bool = False     # bit-reproducible runs (fmoe.train.run.set_deterministic)
     # parallelism (under torchrun; fmoe.parallel): world = dp_replicate * dp_shard * cp * tp
     dp_replicate: int = 1           # HSDP replicas
