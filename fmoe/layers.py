@@ -1859,7 +1859,11 @@ def _compiled_flex():
 def _rms_norm(x, weight, eps: float, ms=None, *, zero_centered: bool = False):
     """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's);
     weight None: no weight; zero_centered: times 1 + weight. ms: the mean square [..., 1] to
-    use (None: x's own, over its last dim)."""
+    use (None: x's own, over its last dim). A bf16 or float16 x with its own statistics goes
+    through rms_norm_saving_input (defined below): the same values, and x alone in its dtype
+    kept for the backward (this form's autograd keeps x and x / rms(x) in float32)."""
+    if ms is None and x.dtype in (torch.bfloat16, torch.float16):
+        return rms_norm_saving_input(x, weight, eps, zero_centered=zero_centered)
     x32 = x.float()
     if ms is None:
         ms = x32.square().mean(-1, keepdim=True)
