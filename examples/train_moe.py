@@ -729,6 +729,12 @@ def main(argv: list[str]) -> None:
             f"--resume: the ranks found different newest checkpoints in {cfg.out_dir} ("
             + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files"))[0]):
         sys.exit(refusal)
+    if cfg.resume and rank == 0:  # newer step_N folders latest() passed over (files missing: a copy stopped part way): said, not silent
+        for p in sorted(Path(cfg.out_dir).glob("step_*"), key=lambda p: p.name):
+            newer = re.fullmatch(r"step_(\d+)", p.name) and p.is_dir() and (path is None or int(p.name[5:]) > int(path.name[5:]))
+            if newer and (why := checkpoint.incomplete(p)):
+                print(f"--resume: {p.name} is not a whole checkpoint ({why}): passed over"
+                      + (f" for {path.name}" if path else "") + f"; move it out of {cfg.out_dir} (or remove it)", flush=True)
     if cfg.resume and path is None and rank == 0:  # a requeued job's first start, or an out_dir of another name: said, not silent
         logged = Path(cfg.out_dir) / "metrics.jsonl"
         steps = sum(1 for line in logged.read_text().splitlines() if line.strip()) if logged.is_file() else 0
@@ -741,8 +747,9 @@ def main(argv: list[str]) -> None:
             changed = _model_changes(path, model_cfg)
         except checkpoint.UnknownKnobs as err:  # a run of a newer fmoe: continuing it here would drop its knobs from config.json
             sys.exit(f"--resume: {err}")
-        except ValueError:  # a checkpoint without its run's config.json: nothing to compare with
-            changed = {}
+        except ValueError as err:  # no config.json (or a damaged one) to check the knobs against: another model would train on
+            sys.exit(f"--resume: {err}; a resumed run checks its --model.* knobs against the run's config.json: put it back, or start "
+                     f"a new run from the checkpoint's weights with --init_from={path}")
         if changed:
             sys.exit(f"--resume: the run in {cfg.out_dir} was trained with {checkpoint.knob_list(changed)}; a resumed run continues "
                      "its model: give the --model.* knobs (and --init_from_hf) it was started with, or start a new run from its weights "

@@ -137,6 +137,28 @@ def test_a_resume_without_a_checkpoint_says_it_starts_a_new_run(tmp_path):
     assert f"--resume: no complete checkpoint in {tmp_path / 'new'}: a new run from step 1\n" in fresh.stdout, fresh.stdout[-2000:]
 
 
+def test_a_resume_passes_over_a_half_copied_checkpoint_and_needs_the_run_s_config(tmp_path):
+    """A newer step_N folder that lacks a file its .metadata names (a copy stopped part way)
+    was taken as the newest checkpoint, and the resume failed saying it was "not a checkpoint
+    of fmoe"; it is passed over for the one before, saying so. A run whose config.json is gone
+    resumed without checking its --model.* knobs (another model trained on, and the new knobs
+    were written as the run's): refused."""
+    first = _train(tmp_path, "--steps=6", "--stop_at=4", "--ckpt_every=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (tmp_path / "step_000004" / "__0_0.distcp").unlink()
+    run = _train(tmp_path, "--steps=6", "--resume")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (f"--resume: step_000004 is not a whole checkpoint (__0_0.distcp is missing): passed over for step_000002; move it out of "
+            f"{tmp_path} (or remove it)\nresumed from {tmp_path / 'step_000002'} at step 2\n") in run.stdout, run.stdout[-2000:]
+    (tmp_path / "config.json").unlink()
+    run = _train(tmp_path, "--steps=8", "--resume", "--model.k=1")
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        f"--resume: path: '{tmp_path / 'step_000006'}' is neither an fmoe run directory (config.json) nor a checkpoint inside one; a resumed "
+        "run checks its --model.* knobs against the run's config.json: put it back, or start a new run from the checkpoint's weights "
+        f"with --init_from={tmp_path / 'step_000006'}"), run.stderr[-2000:]
+    assert not (tmp_path / "config.json").exists() and "step 7" not in run.stdout
+
+
 def test_a_resume_with_another_train_only_names_it(tmp_path):
     """--resume with a --train_only other than the run's (or none): refused naming the knob and
     the run's value (it failed in the optimizers' load, naming 200 of their state entries and

@@ -4,6 +4,7 @@
         model: a module, or this rank's pipeline chunks (a list; one optimizer per chunk)
     SaveHandle.wait() -> Path                finish an async save (a sync one is done already)
     latest(out_dir, *, delete_partial=False) -> Path | None
+    incomplete(path) -> str | None           why a step_N folder is not a whole checkpoint (None: it is)
     load(path, *, model, optimizers) -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
@@ -28,7 +29,10 @@ model state and keep their dtype.
 Completeness: a checkpoint is written to `step_000123.tmp/` and renamed to `step_000123/`
 only after every rank's data and DCP's metadata are on disk: at the end of a sync save, and
 for async_=True when the caller waits on the returned handle. A run killed midway, or one
-that exits without waiting, leaves only a `.tmp` directory, which latest() ignores.
+that exits without waiting, leaves only a `.tmp` directory, which latest() ignores. A
+step_N folder that lost files after it was written (a copy stopped part way: rsync copies
+`.metadata`, which sorts first, before the data) is skipped by latest() too: it checks the
+newest folders' files against what their `.metadata` names (incomplete()).
 
 Reading runs none of a checkpoint's code (load, load_model, load_run, ModelTensors; every
 file a pickle): DCP's `.metadata` is unpickled with an allow-list of what DCP's metadata
@@ -369,14 +373,40 @@ def _empty(optimizers: Sequence[torch.optim.Optimizer]) -> None:
 
 def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
     """The newest complete checkpoint in out_dir (None when there is none or out_dir does not
-    exist). `.tmp` directories of interrupted saves are ignored, or removed with
-    delete_partial=True (rank 0, no save in flight)."""
+    exist): the newest step_N folder whose files are all there (incomplete() None; a newer
+    one missing some is passed over). `.tmp` directories of interrupted saves are ignored, or
+    removed with delete_partial=True (rank 0, no save in flight)."""
     out_dir = _out_dir(out_dir)
     if delete_partial and out_dir.is_dir():
         for p in out_dir.glob("step_*.tmp"):
             shutil.rmtree(p)
-    found = _complete(out_dir)
-    return found[-1][1] if found else None
+    return next((p for _, p in reversed(_complete(out_dir)) if incomplete(p) is None), None)
+
+
+def incomplete(path) -> Optional[str]:
+    """Which file the step_N folder at path lacks, or None where none is missing: its
+    `.metadata`, extra_rank0.pt, and every data file the metadata names, each at least as
+    long as the bytes it reads there. A save writes `.metadata` last, so only a folder that
+    lost files afterwards lacks one: a copy stopped part way, a file truncated or removed.
+    Reads the metadata, not the data; a `.metadata` that cannot be read (damaged, or naming
+    code to run) is None here, left for the reader to name (load's ValueError)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        return "no .metadata"
+    if not (path / "extra_rank0.pt").is_file():
+        return "no extra_rank0.pt"
+    try:
+        storage = _SafeReader(path).read_metadata().storage_data or {}
+    except Exception:  # noqa: BLE001 (a damaged or foreign .metadata, whatever the unpickler raised: load names it)
+        return None
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None or size < end:
+            return f"{name} is {'missing' if size is None else f'{size} bytes of the {end} its .metadata names'}"
+    return None
 
 
 def _checkpoint_dir(path) -> Path:

@@ -6,6 +6,8 @@ import errno
 import os
 import pathlib
 import random
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -232,6 +234,9 @@ def test_prune_keeps_newest_and_every(tmp_path):
     # a step_N directory without DCP's .metadata (emptied, half copied) is no checkpoint: latest() skips it and
     # prune() counts only the complete ones (it deleted every good one for it) and leaves it alone
     (tmp_path / "step_001100").mkdir()
+    shutil.rmtree(tmp_path / "step_001000")  # a real one now: latest() reads what its .metadata names
+    model, opts = _build()
+    ckpt.save(tmp_path, 1000, model=model, optimizers=opts, extra={"step": 1000})
     assert ckpt.latest(tmp_path) == tmp_path / "step_001000"
     assert ckpt.prune(tmp_path, keep_last=1) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_001000", "step_001100", "step_001200.tmp"]
@@ -267,7 +272,7 @@ def test_a_cut_metadata_or_extra_file_is_a_value_error_before_anything_is_loaded
     path = ckpt.save(tmp_path / "a", 1, model=model, optimizers=opts, extra={"step": 1}).wait()
     meta = path / ".metadata"
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
-    assert ckpt.latest(tmp_path / "a") == path
+    assert ckpt.latest(tmp_path / "a") == path and ckpt.incomplete(path) is None  # left for load to name
     fresh, fresh_opts = _build()
     before = _tensors(fresh, [])
     message = rf"path: '{path}' could not be read \(.metadata: \w+Error.*\); a damaged or incomplete checkpoint\?"
@@ -281,6 +286,38 @@ def test_a_cut_metadata_or_extra_file_is_a_value_error_before_anything_is_loaded
         ckpt.load(path, model=fresh, optimizers=fresh_opts)
     after = _tensors(fresh, fresh_opts)
     _assert_identical({k: after[k] for k in before}, before)  # nothing was read into the model
+
+
+def test_latest_passes_over_a_folder_missing_files_its_metadata_names(tmp_path):
+    """A step_N folder holding .metadata without all its data (a copy stopped part way: rsync
+    copies .metadata, which sorts first, before the data) counted as the newest complete
+    checkpoint: latest(), load_model of the run's folder, export and --resume chose it and
+    failed. latest() takes the newest folder whose files are all there, and incomplete() says
+    what the other lacks; an intact one is None."""
+    model, opts = _build()
+    _train(model, opts)
+    good = ckpt.save(tmp_path, 2, model=model, optimizers=opts, extra={"step": 2}).wait()
+    want = _tensors(model, [])
+    _train(model, opts)
+
+    def cut(path):
+        data = path / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:-1])
+
+    for damage, why in ((lambda p: (p / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
+                        (cut, r"__0_0\.distcp is (\d+) bytes of the (\d+) its \.metadata names"),
+                        (lambda p: (p / "extra_rank0.pt").unlink(), "no extra_rank0.pt")):
+        bad = ckpt.save(tmp_path, 4, model=model, optimizers=opts, extra={"step": 4}).wait()
+        assert ckpt.latest(tmp_path) == bad and ckpt.incomplete(bad) is None
+        damage(bad)
+        assert ckpt.latest(tmp_path) == good
+        said = re.fullmatch(why, ckpt.incomplete(bad))
+        assert said and (not said.groups() or int(said[1]) == int(said[2]) - 1), ckpt.incomplete(bad)
+        fresh, _ = _build()
+        assert ckpt.load_model(tmp_path, model=fresh) == good  # the run's folder: its newest whole checkpoint
+        _assert_identical(want, _tensors(fresh, []))
+        shutil.rmtree(bad)
+    assert ckpt.incomplete(tmp_path / "step_000009") == "no .metadata"
 
 
 def test_async_save_matches_sync(tmp_path):
