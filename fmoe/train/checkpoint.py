@@ -745,6 +745,9 @@ def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) ->
     a parameter with some of its entries saved and not others is named here."""
     missing = [name for name, value in optim_state.items()
                if f"optim.{name}" not in stored and not (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))]
+    if missing and not any(key.startswith("optim.") for key in stored):
+        raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no optimizer state (saved with optimizers=[]): load it with "
+                         "optimizers=[], or load_model for the weights alone")
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no {', '.join(missing[:4])}{more}: these optimizers differ from "

@@ -526,7 +526,8 @@ def test_a_model_lacking_saved_parameters_is_refused_by_name_before_anything_is_
 
 def test_optimizers_of_another_kind_are_refused_by_name_before_anything_is_read(tmp_path):
     """Saved with AdamW, loaded into SGD with momentum: a ValueError naming the state the
-    checkpoint lacks (DCP's own error is a BaseException), the weights untouched."""
+    checkpoint lacks (DCP's own error is a BaseException), the weights untouched; saved with
+    no optimizers: a ValueError saying so."""
     model, opts = _build()
     _train(model, opts)
     ckpt.save(tmp_path, 1, model=model, optimizers=opts)
@@ -539,6 +540,11 @@ def test_optimizers_of_another_kind_are_refused_by_name_before_anything_is_read(
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     ckpt.load_model(tmp_path / "step_000001", model=other)  # the weights alone still load
     assert torch.equal(other["head"].weight, model["head"].weight)
+    # saved with no optimizer at all: said so (it named 100 param_groups entries as if the kind differed)
+    ckpt.save(tmp_path, 2, model=model, optimizers=[])
+    with pytest.raises(ValueError, match=r"^optimizers: the checkpoint .*step_000002' holds no optimizer state \(saved with optimizers=\[\]\): "
+                                         r"load it with optimizers=\[\], or load_model for the weights alone$"):
+        ckpt.load(tmp_path / "step_000002", model=other, optimizers=sgd)
 
 
 def test_model_tensors_reads_each_tensor_of_a_checkpoint_when_asked(tmp_path):
