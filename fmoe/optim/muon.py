@@ -11,15 +11,25 @@ For each matrix parameter W [m, n] with gradient G (Keller Jordan 2024):
 NS runs 5 steps of the quintic X <- a X + (b A + c A^2) X, A = X X^T, with (a, b, c) =
 (3.4445, -4.7750, 2.0315), on X = D / ||D||_F (so every singular value starts in (0, 1]),
 in bfloat16, transposed first when m > n so that A is the smaller Gram matrix. The
-coefficients maximise the slope at zero, not exact convergence: singular values end in
-roughly [0.7, 1.2] rather than at 1, which trains as well as the exact polar factor U V^T.
+coefficients maximise the slope at zero, not exact convergence: the singular values of a
+well-conditioned D end in roughly [0.7, 1.2] rather than at 1, which trains as well as the
+exact polar factor U V^T; directions of D with singular values far below its largest stay
+small (a square Gaussian D's smallest end near 0.02-0.06, and a spectrum decaying as 0.9^i
+over 64 leaves about a quarter of its directions below 0.7).
+
+A matrix whose gradient is zero from some step on (an expert that gets no tokens) keeps
+moving: its momentum decays as mu^k, but NS normalises it first, so the update stays full
+size, in the last direction the momentum held, until mu^k ||M|| nears eps (about 300 steps at
+mu = 0.95). Measured on a [32, 16] expert dead from step 5, lr 1e-3: an update RMS of 1.8e-4
+a step, as the live expert's, and 1.59 moved over 395 steps (3.5x its norm), where AdamW's
+update falls to 0 and it moves 0.08. This is Muon's own behaviour (the references do the
+same); the expert load metrics show such experts.
 
 The shape scale s(m, n) (argument `scale`):
 
     "moonlight"  0.2 sqrt(max(m, n))   Moonlight (Liu et al. 2025, arXiv 2502.16982, eq. 4):
                  the update RMS is about 0.2 lr, matching AdamW's (0.2 for the exact U V^T;
-                 0.17-0.18 lr measured after the 5 steps above, whose singular values end in
-                 [0.7, 1.2]), so Muon can take AdamW's lr and
+                 0.16-0.19 lr measured after the 5 steps above, by shape), so Muon can take AdamW's lr and
                  weight decay; symmetric in m and n, so it does not depend on the layout of W.
     "spectral"   sqrt(max(1, m / n))   Keller Jordan's modded-nanogpt scale, for nn.Linear's
                  [out, in] layout (m = fan-out); pairs with lr ~ 0.02. fmoe's own weights are
@@ -179,7 +189,7 @@ class Muon(torch.optim.Optimizer):
         params: tensors, (name, tensor) pairs (model.named_parameters()) or param-group
             dicts, in a list (a set is a TypeError); each group may override any keyword
             below.
-        lr: learning rate. With scale="moonlight" the update RMS is about 0.2 lr (0.17-0.18
+        lr: learning rate. With scale="moonlight" the update RMS is about 0.2 lr (0.16-0.19
             after NS's 5 steps), as AdamW's, so
             pass AdamW's lr (Moonlight reuses it; the default is fmoe AdamW's, 1e-3); about
             0.02 is modded-nanogpt's lr for scale="spectral".
@@ -279,11 +289,14 @@ def split_param_groups(
     one of torch.nn's convolutions (nn.Conv1d/2d/3d and their transposes: [out, in, *kernel],
     which Muon would take as a batch of kernel-sized matrices, orthogonalising each 3 x 3
     slice on its own); everything else goes to AdamW. adamw_patterns: strings, or one string
-    as one pattern.
+    as one pattern. The default patterns send a norm's own matrices to AdamW too (a gated
+    norm's low-rank gate_down / gate_up, norm_gate_rank: "norm" is in their names), decayed.
 
-    Weight decay, in either optimizer: the ndim < 2 tensors (norms, biases, gates) and the
-    experts' stacked biases (b_gate, b_up, b_down: one bias per expert) get none (Megatron
-    Core's default), nor do Mamba-1's log-decays A_log [C, N] (a vector per channel) and the
+    Weight decay, in either optimizer: the ndim < 2 tensors (norms, biases, gates), the
+    experts' stacked biases (b_gate, b_up, b_down: one bias per expert) and every parameter
+    whose own name holds "bias" whatever its shape (compressed attention's compress_bias [m,
+    D], a bias per place in a run) get none (Megatron Core's default; none goes to Muon
+    either), nor do Mamba-1's log-decays A_log [C, N] (a vector per channel) and the
     q/k norms' weights and biases per head [heads, D], nor, with decay_embeddings=False, the
     embeddings and output heads (names containing "embed" or "head"); the rest get
     `weight_decay`. decay_embeddings changes only the decay, never the optimizer: a head
@@ -308,7 +321,8 @@ def split_param_groups(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        not_a_matrix = p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL + PER_HEAD_NORMS)
+        not_a_matrix = (p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL + PER_HEAD_NORMS)
+                        or "bias" in name.rsplit(".", 1)[-1])  # a bias of any shape (compressed attention's [m, D] by place)
         to_muon = muon and not not_a_matrix and id(p) not in filters and not any(pattern in name for pattern in patterns)
         undecayed = not_a_matrix or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS))
         (muon_params if to_muon else adamw_params)[undecayed].append(p)

@@ -11,7 +11,7 @@ from torch import nn
 
 from fmoe.layers import MoEConfig
 from fmoe.model import MoE
-from fmoe.optim.muon import Muon, build_optimizers, newton_schulz, shape_scale, split_param_groups
+from fmoe.optim.muon import ADAMW_PATTERNS, Muon, build_optimizers, newton_schulz, shape_scale, split_param_groups
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -261,6 +261,25 @@ def test_split_param_groups_keeps_bias_stacks_out_of_muon():
     assert muon_ids == {id(experts.w_gate), id(experts.w_up), id(experts.w_down)}
     assert decay_ids == {id(model.router)}
     assert no_decay_ids == {id(model.router_bias), id(experts.b_gate), id(experts.b_up), id(experts.b_down)}
+
+
+def test_split_param_groups_gives_a_bias_of_any_shape_no_decay():
+    """Compressed attention's compress_bias [m, D] (and its indexer's) is a bias by place in a
+    run: it went to AdamW through the "bias" pattern but with weight decay, where every other
+    bias has none; now no decay, and never Muon, whatever the patterns."""
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.compress_bias = torch.nn.Parameter(torch.zeros(4, 16))
+            self.index_compress_bias = torch.nn.Parameter(torch.zeros(4, 8))
+            self.wq = torch.nn.Parameter(torch.zeros(16, 16))
+
+    model = torch.nn.ModuleDict({"attn": Attn(), "proj": torch.nn.Linear(8, 8)})
+    for patterns in (ADAMW_PATTERNS, ()):
+        muon, adamw = split_param_groups(model, weight_decay=0.1, adamw_patterns=patterns)
+        assert [(g["weight_decay"], {id(p) for p in g["params"]}) for g in muon] == [(0.1, {id(model["attn"].wq), id(model["proj"].weight)})]
+        assert [(g["weight_decay"], {id(p) for p in g["params"]}) for g in adamw] == [
+            (0.0, {id(model["attn"].compress_bias), id(model["attn"].index_compress_bias), id(model["proj"].bias)})]
 
 
 def test_split_param_groups_keeps_linear_attention_taps_out_of_muon():
