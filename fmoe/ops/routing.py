@@ -257,6 +257,7 @@ def _route_fwd_kernel(
         key = tl.where(eid_E[None, :] == first[:, None], NO_KEY, key)
         w_TK = tl.where(k_K[None, :] == i, key_score(best)[:, None], w_TK)
         id_TK = tl.where(k_K[None, :] == i, first[:, None], id_TK)
+    w_TK = tl.where(row_ok_T[:, None], w_TK, 0.0)  # a padding row's keys read back as NaN: none in the reductions below
 
     slot_ok = k_K[None, :] < K
     out_mask = row_ok_T[:, None] & slot_ok

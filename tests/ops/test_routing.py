@@ -818,3 +818,19 @@ def test_routing_and_its_losses_compiled_together_with_inductor():
         grads.append(torch.autograd.grad(fn(x, router), (x, router)))
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
+
+
+def test_the_kernel_s_padding_rows_hold_no_nan_keys():
+    """A block's padding rows (T = 5 rows in a block of more) read their top-k keys back as
+    NaN, and softmax-after-top-k's row max over them was an all-NaN reduction: the interpreter
+    (numpy) warned "All-NaN slice encountered" on every such call (the rows are never stored,
+    so the weights were right). The padding rows' weights are now 0 before any reduction."""
+    import warnings
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    want = F.route(x, k=2, score="softmax", impl="torch")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="All-NaN slice")
+        got = F.route(x, k=2, score="softmax", impl="triton")
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
