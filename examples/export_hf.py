@@ -268,6 +268,11 @@ def main(argv: list[str]) -> None:
             print(f"copied the tokenizer the data's index names: {', '.join(map(str, tokenizer_files))}")
         for note in notes:
             print(f"left out: {note}")
+        family, depth, n = fmoe.hf.FAMILIES.get(hf["model_type"]), model.cfg.mtp_depth, model.cfg.n_layers
+        if depth and family is not None and family.mtp:  # a load report of "unexpected" keys, which looks like a broken export
+            print(f"note: the MTP module{'s are layers' if depth > 1 else ' is layer'} {n}{f'..{n + depth - 1}' if depth > 1 else ''}"
+                  f", as {hf['model_type']} checkpoints hold them; transformers' {family.architecture} has no MTP layer and lists their "
+                  "weights as unexpected keys when it loads the folder (the model loads without them; fmoe.hf.from_pretrained reads them)")
     if meshes is not None:
         parallel.leave_ranks()
 
