@@ -227,24 +227,34 @@ def _kind(path: Path) -> str:
     return "gzip" if name.endswith(".gz") else "text"
 
 
-def _json_layout(path: Path) -> str:
-    """How a .json file holds its records, from its first line: "array" (a JSON array of
-    objects), "lines" (JSON Lines by another name: a first line that is a whole JSON value),
-    or "object" (one JSON value over several lines, e.g. a dataset's metadata: no records)."""
+def _json_layout(path: Path, record_key: str) -> str:
+    """How a .json file holds its records: "array" (its first non-blank character is "[": a
+    JSON array of objects), "lines" (JSON Lines by another name: its first non-blank line is
+    a whole JSON value, and more follow, or that one object holds record_key, the field each
+    record has), or "object" (one JSON value: over several lines, or one line without
+    record_key, as datasets writes a dataset_info.json: a dataset's metadata, no records).
+    Reads the first non-blank line whole, however long, and little past it."""
     with open(path, "rb") as f:
-        first = f.readline(1 << 20).decode("utf-8", errors="replace").removeprefix("\ufeff").strip()
-    if first.startswith("["):
-        return "array"
-    try:
-        json.loads(first)
-    except json.JSONDecodeError:
-        return "object"
-    return "lines"
+        first = ""
+        for line in f:  # a whole line, however long (a JSON Lines record past 1 MiB was read as a multi-line value)
+            first = line.decode("utf-8", errors="replace").removeprefix("\ufeff").strip()
+            if first:
+                break
+        if first.startswith("["):
+            return "array"
+        try:
+            value = json.loads(first)
+        except json.JSONDecodeError:  # one value over several lines (or an empty file)
+            return "object"
+        more = b""
+        while not more.strip() and (chunk := f.read(1 << 16)):
+            more = chunk
+    return "lines" if more.strip() or (isinstance(value, dict) and record_key in value) else "object"
 
 
 def _json_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Iterator[tuple]:
     """The records of a .json file (_json_layout): each object of its array, or each line."""
-    layout = _json_layout(path)
+    layout = _json_layout(path, fields[0][0])
     if layout == "lines":
         yield from _jsonl_documents(path, fields)
         return
@@ -564,7 +574,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         raise ValueError("chat_template, chat_template_kwargs: they render conversations, which need --messages_key")
     files = _source_files(src, out)
     kinds = {path: _kind(path) for path in files}  # also refuses zstd files before any work
-    metadata = [path for path in files if kinds[path] == "json" and _json_layout(path) == "object"]
+    metadata = [path for path in files if kinds[path] == "json" and _json_layout(path, messages_key or text_key) == "object"]
     if src.is_dir():  # records beside text files: a dataset's card, license and metadata are not its documents
         if any(kind in _RECORD_KINDS for kind in kinds.values()):
             metadata += [path for path in files if kinds[path] not in _RECORD_KINDS]

@@ -603,6 +603,38 @@ def test_a_dataset_folder_is_read_for_its_records_and_json_records_are_records(t
         prepare(root / "data" / "bad.json", tmp_path / "b.u16", tokenizer=tokenizer_path, progress=False)
 
 
+def test_a_json_file_s_layout_is_read_from_its_first_whole_value(tmp_path, tokenizer_path):
+    """A .json file's layout was read from its first line, cut at 1 MiB: JSON Lines whose first
+    record was longer were taken for one multi-line value (a dataset folder dropped every
+    record of it, as metadata; alone it was "not JSON"); a dataset_info.json on one line, as
+    datasets writes it, was taken for JSON Lines (the folder's prepare failed: no 'text'
+    field); an array or JSON Lines after a blank first line was taken for metadata. Now the
+    first non-blank line is read whole: "[" starts an array; one whole value is JSON Lines
+    when more follow it, or when it is a record (it has the text field), else metadata."""
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    long_text = "the cat sat " * 95000  # past 1 MiB on the first line
+    texts = [f"record {i}: {word}" for i, word in enumerate(["héllo", "a\nnewline", "🙂", "four", "five", "six", "seven"])]
+    root = tmp_path / "dataset"
+    root.mkdir()
+    (root / "a_long.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in (long_text, texts[0], texts[1])))
+    (root / "b_blank_first.json").write_text("\n\n" + json.dumps([{"text": texts[2]}, {"text": texts[3]}]))
+    (root / "c_blank_first_lines.json").write_text("\n" + "".join(json.dumps({"text": t}) + "\n" for t in texts[4:6]))
+    (root / "d_one_record.json").write_text(json.dumps({"text": texts[6]}))  # one record on one line: JSON Lines of one
+    (root / "dataset_info.json").write_text(json.dumps({"features": {"text": "string"}, "splits": ["train"]}))  # one line, as datasets writes it
+    with pytest.warns(UserWarning, match=r"src: 1 file\(s\) beside the records of .* are left out \(text, or a .json of one object\): "
+                                         r"dataset_info.json$"):
+        prepare(root, tmp_path / "r.u16", tokenizer=tokenizer_path, progress=False)
+    ds = load_corpus(tmp_path / "r.u16")
+    want = [long_text, *texts]
+    assert len(ds) == len(want)
+    assert [tok.decode(ds.document(i).tolist()[:-1]) for i in range(1, len(ds))] == want[1:]
+    assert tok.decode(ds.document(0).tolist()[:-1]) == long_text
+    with pytest.raises(ValueError, match=r"src: '.*dataset_info.json' holds one JSON dict, not records"):
+        prepare(root / "dataset_info.json", tmp_path / "m.u16", tokenizer=tokenizer_path, progress=False)
+    prepare(root / "a_long.json", tmp_path / "l.u16", tokenizer=tokenizer_path, progress=False)
+    assert len(load_corpus(tmp_path / "l.u16")) == 3
+
+
 def test_a_stopped_prepare_leaves_no_partial_files(tokenizer_path, tmp_path):
     """SIGTERM (a scheduler's stop, `timeout`) left .OUT.PID.tmp files, a new one per attempt,
     never removed: now the command line removes them as on Ctrl-C, and a run removes those a
