@@ -504,7 +504,7 @@ def update_expert_bias(
 
     Overloaded experts (count above the mean) go down, underloaded go up; counts should be
     the actual routing's, summed over every rank and micro-batch of the optimizer step.
-    SPEC 3's actual routing is after the capacity drop (tokens_per_expert of fmoe.layers.moe):
+    SPEC 2's actual routing is after the capacity drop (tokens_per_expert of fmoe.layers.moe):
     with a capacity_factor the experts at capacity count alike, so a layer that drops many
     slots can look balanced and its bias move little (Megatron Core counts before the drop).
     center=True subtracts the mean of the update. proportional=True steps by the relative
