@@ -13,8 +13,9 @@ An fmoe run is rebuilt from its config.json (the model knobs and vocab_size the 
 and the newest complete checkpoint's weights (fmoe.train.checkpoint.load_model); a run on
 the embedded corpus or a text directory speaks bytes (fmoe.train.data.encode_text /
 decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: greedy with
---temperature=0, else softmax(logits / temperature) restricted to the smallest set of
-tokens whose probability reaches --top_p (nucleus sampling), continuation i from a
+--temperature=0, else softmax(logits / temperature) restricted to the --top_k most likely
+tokens (0: all), then, renormalised, to the smallest set of them whose probability reaches
+--top_p (nucleus sampling; transformers' order of the two), continuation i from a
 generator of its own seeded by --seed + i (so continuation 0 of --samples=4 is the one of
 --samples=1, whatever the others draw). The prompt runs once, then each new token alone against the keys and values of
 the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens, made up
@@ -357,12 +358,12 @@ def start_ranks(device: torch.device, sizes: dict) -> torch.device:
 
 
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, eos: Union[int, Sequence[int], None] = None) -> list[int]:
+             seed: int = 0, eos: Union[int, Sequence[int], None] = None, top_k: int = 0) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
     prompt or ids that are not the model's, `tokens` not an int >= 0 or past the model's
-    learned positions (abs_positions), a temperature not a finite number >= 0, or top_p
-    outside (0, 1]."""
-    return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos)[0]
+    learned positions (abs_positions), a temperature not a finite number >= 0, top_p
+    outside (0, 1], or top_k not an int >= 0."""
+    return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos, top_k=top_k)[0]
 
 
 def _stop_set(eos) -> set[int]:
@@ -379,7 +380,7 @@ def _stop_set(eos) -> set[int]:
 
 @torch.no_grad()
 def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, eos: Union[int, Sequence[int], None] = None, group=None) -> list[list[int]]:
+                  seed: int = 0, eos: Union[int, Sequence[int], None] = None, group=None, top_k: int = 0) -> list[list[int]]:
     """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
     len(prompts) sequences, each prompt run alone, then one step for every unfinished
     sequence together (Transformer.decode with seqs). Greedy gives each prompt what
@@ -417,6 +418,8 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k: expected an int >= 0 (0: every token), got {top_k!r}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:  # torch.Generator's range
         raise ValueError(f"seed: expected an int in [-2**63, 2**64), got {seed!r}")
     limit, longest = model.cfg.abs_positions, max(map(len, prompts))  # learned positions: a bound before any token is drawn
@@ -437,7 +440,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         if step:
             last = torch.tensor([[out[b][-1]] for b in active], device=device)
             logits = list(model.decode(last, cache, seqs=active)[:, -1])
-        drawn = [_next_token(row.float().cpu(), temperature, top_p, gens[b]) for b, row in zip(active, logits)]
+        drawn = [_next_token(row.float().cpu(), temperature, top_p, gens[b], top_k) for b, row in zip(active, logits)]
         if group is not None:
             drawn_t = torch.tensor(drawn, device=device)
             dist.broadcast(drawn_t, group=group, group_src=0)
@@ -489,9 +492,10 @@ def _kv_cache(model: Transformer, max_tokens: int, batch: int, device: torch.dev
         raise
 
 
-def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator, top_k: int = 0) -> int:
     """Greedy (temperature 0), else a draw from softmax(logits / temperature) (logits [V])
-    over the smallest set of most likely tokens whose probability reaches top_p. A row with
+    over the top_k most likely tokens (0: all; the lower id first among equals), then,
+    renormalised, the smallest set of them whose probability reaches top_p. A row with
     a NaN, a +inf or no finite logit is a ValueError (argmax took the NaN's place, and
     multinomial refused with its own message)."""
     top = float(logits.max())  # NaN where a logit is
@@ -503,6 +507,9 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
     # from the largest logit, in float64: a tiny temperature sends the others to -inf (greedy), never the largest to inf or nan
     probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1)
     sorted_p, order = probs.sort(descending=True, stable=True)  # ties in id order: a tiny top_p keeps greedy's token
+    if top_k:
+        sorted_p, order = sorted_p[:top_k], order[:top_k]
+        sorted_p = sorted_p / sorted_p.sum()
     keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix reaching top_p
     sorted_p = sorted_p * keep
     return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
@@ -529,6 +536,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--tokens", type=int, default=200, help="new tokens at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all), before --top_p")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
@@ -608,7 +616,7 @@ def main(argv: list[str]) -> None:
                              "set --temperature > 0 to draw several")
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature,
-                                    top_p=args.top_p, seed=args.seed, eos=stops, group=group)
+                                    top_p=args.top_p, seed=args.seed, eos=stops, group=group, top_k=args.top_k)
     except ValueError as err:
         sys.exit(str(err))
     if group is None or dist.get_rank() == 0:

@@ -306,6 +306,8 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     (dict(temperature=float("inf")), "temperature: expected a finite number >= 0 .*, got inf"),  # was a uniform draw
     (dict(top_p=0.0), r"top_p: expected a number in \(0, 1\]"),
     (dict(top_p="0.5"), r"top_p: expected a number in \(0, 1\], got '0.5'"),
+    (dict(top_k=-1), r"top_k: expected an int >= 0 \(0: every token\), got -1"),
+    (dict(top_k=2.0), r"top_k: expected an int >= 0 \(0: every token\), got 2.0"),
     (dict(tokens=-1), r"tokens: expected an int >= 0 \(new tokens\), got -1"),
     (dict(tokens=2.5), r"tokens: expected an int >= 0 \(new tokens\), got 2.5"),  # was kv_cache's "max_tokens: ..., got 8.5"
     (dict(tokens="3"), r"tokens: expected an int >= 0 \(new tokens\), got '3'"),  # was a TypeError
@@ -348,6 +350,23 @@ def test_a_tiny_top_p_among_tied_logits_keeps_greedy_s_token():
         for logits in (torch.zeros(40), torch.tensor([0.0] * 3 + [1.0] * 40)):
             want = int(logits.argmax())
             assert generate._next_token(logits, 1.0, 1e-6, torch.Generator().manual_seed(seed)) == want
+
+
+def test_top_k_samples_among_the_k_most_likely_tokens_then_top_p(run_dir):
+    """top_k: a draw among the k most likely tokens only (k = 1: greedy's token, whatever the
+    temperature); with top_p, the nucleus of those k renormalised (transformers' order: the
+    k kept first); 0 keeps every token. The command line's --top_k does the same."""
+    logits = torch.tensor([2.0, 1.9, 1.8, 1.7, -1.0, 0.5])
+    for k, top_p, allowed in ((1, 1.0, {0}), (3, 1.0, {0, 1, 2}), (4, 0.6, {0, 1, 2}), (0, 1.0, set(range(6)))):
+        drawn = {generate._next_token(logits, 5.0, top_p, torch.Generator().manual_seed(seed), k) for seed in range(300)}
+        assert drawn == allowed, (k, top_p, drawn)
+    model, prompt = run_dir[1], list(b"def ")
+    assert generate.generate(model, prompt, tokens=5, temperature=2.0, top_k=1, seed=4) == generate.generate(model, prompt, tokens=5)
+    sampled = generate.generate(model, prompt, tokens=5, temperature=1.0, top_k=5, seed=4)
+    assert sampled == generate.generate_many(model, [prompt], tokens=5, temperature=1.0, top_k=5, seed=4)[0]
+    cli = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(run_dir[0]), "--prompt_ids=100,101,102,32",
+                          "--tokens=5", "--temperature=2.0", "--top_k=1"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and cli.stdout.strip() == ",".join(map(str, generate.generate(model, prompt, tokens=5)[4:])), cli.stderr[-2000:]
 
 
 def test_a_kv_cache_larger_than_the_free_memory_is_refused_before_it_is_made(run_dir, monkeypatch):
