@@ -1123,6 +1123,8 @@ def main(argv: list[str]) -> None:
                 for opt in optimizers:
                     opt.step(**step_kwargs)
                     opt.zero_grad(set_to_none=True)
+                    if pipe is not None and cfg.pp_virtual > 1:  # a multi-stage schedule gathers a stage's FSDP shards before its
+                        getattr(opt, "wait", lambda: None)()  # forward pre-hooks: DistributedMuon's updates written now, not there
                 # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts (--train_only: the layers
                 # whose router trains; a frozen layer's routing stays as it was)
                 if model_cfg.expert_bias and cfg.bias_rate:

@@ -76,7 +76,10 @@ and written into the parameter by whichever comes first:
 
 Without `model=`, call `wait()` before reading the parameters (forward, eval, checkpoint).
 With FSDP2 explicit forward prefetch (set_modules_to_forward_prefetch) a module's shards can
-be all-gathered before its own pre-hook runs: call `wait()` before the forward there.
+be all-gathered before its own pre-hook runs: call `wait()` before the forward there. So do
+torch's multi-stage pipeline schedules (interleaved_1f1b, looped_bfs: a stage's FSDP modules
+unsharded ahead of its forward; the forward then read step t-1's weights): call `wait()`
+after `step()` there (examples/train_moe.py does, with --pp_virtual > 1).
 
 The momentum buffer of a DTensor parameter is a DTensor with the parameter's mesh and
 placements (a DCP checkpoint reshards it like the parameter); of a plain tensor, a plain

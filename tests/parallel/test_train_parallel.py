@@ -158,6 +158,10 @@ RUNS = {
     "pp2": (2, ["--pp=2", "--aux_coeff=1e-2"]),
     "pp2-interleaved": (2, ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4"]),
     "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32", "--check_replicas_every=1"]),
+    # ...with 2 stages per rank: the schedule gathers a stage's shards before the forward pre-hooks that wrote the owned
+    # matrices' updates (the forward read the weights of the step before: 3.4e-4 off at step 3)
+    "pp2-interleaved-ep2-muon": (4, ["--pp=2", "--ep=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4",
+                                     "--optimizer=muon", "--ns_dtype=float32"]),
     "pp2xtp2": (4, ["--pp=2", "--tp=2"]),
     "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
     # --train_only leaving stage 0 (the dense block, the embedding) frozen: that rank has no optimizer to build
