@@ -406,10 +406,10 @@ def test_upcycling_ranks_agree_on_the_dense_checkpoint_they_read(tmp_path):
             "every rank must see the same files: name one checkpoint directory")
     assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
     assert not (tmp_path / "moe" / "metrics.jsonl").exists()
-    copy = tmp_path / "copy"  # rank 1's copy of the dense run, its newest shard cut short
+    copy = tmp_path / "copy"  # rank 1's copy of the dense run, its newest shard overwritten (a cut one is passed over: step 2)
     shutil.copytree(dense, copy)
     for shard in (copy / "step_000003").glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:1000])
+        shard.write_bytes(bytes(shard.stat().st_size))
     done = _one_rank_fault("other_path", "train_moe", *upcycle, other_path=f"{dense}=>{copy}")
     said = f"rank 1: --upcycle_from: path: {str(copy / 'step_000003')!r} could not be read"
     assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
