@@ -4,7 +4,7 @@
         model: a module, or this rank's pipeline chunks (a list; one optimizer per chunk)
     SaveHandle.wait() -> Path                finish an async save (a sync one is done already)
     latest(out_dir, *, delete_partial=False) -> Path | None
-    incomplete(path) -> str | None           why a step_N folder is not a whole checkpoint (None: it is)
+    incomplete(path) -> str | None           which file a step_N folder lacks (None: none is missing)
     load(path, *, model, optimizers) -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
