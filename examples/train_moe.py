@@ -730,11 +730,9 @@ def main(argv: list[str]) -> None:
             + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files"))[0]):
         sys.exit(refusal)
     if cfg.resume and rank == 0:  # newer step_N folders latest() passed over (files missing: a copy stopped part way): said, not silent
-        for p in sorted(Path(cfg.out_dir).glob("step_*"), key=lambda p: p.name):
-            newer = re.fullmatch(r"step_(\d+)", p.name) and p.is_dir() and (path is None or int(p.name[5:]) > int(path.name[5:]))
-            if newer and (why := checkpoint.incomplete(p)):
-                print(f"--resume: {p.name} is not a whole checkpoint ({why}): passed over"
-                      + (f" for {path.name}" if path else "") + f"; move it out of {cfg.out_dir} (or remove it)", flush=True)
+        for p, why in checkpoint.passed_over(cfg.out_dir):
+            print(f"--resume: {p.name} is not a whole checkpoint ({why}): passed over"
+                  + (f" for {path.name}" if path else "") + f"; move it out of {cfg.out_dir} (or remove it)", flush=True)
     if cfg.resume and path is None and rank == 0:  # a requeued job's first start, or an out_dir of another name: said, not silent
         logged = Path(cfg.out_dir) / "metrics.jsonl"
         steps = sum(1 for line in logged.read_text().splitlines() if line.strip()) if logged.is_file() else 0

@@ -5,6 +5,7 @@
     SaveHandle.wait() -> Path                finish an async save (a sync one is done already)
     latest(out_dir, *, delete_partial=False) -> Path | None
     incomplete(path) -> str | None           which file a step_N folder lacks (None: none is missing)
+    passed_over(out_dir) -> [(Path, str)]    the step_N folders newer than latest(), with what each lacks
     load(path, *, model, optimizers) -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
@@ -76,6 +77,7 @@ import dataclasses
 import errno
 import fcntl
 import io
+import itertools
 import json
 import os
 import pickle
@@ -202,8 +204,7 @@ def _optimizers(optimizers) -> list[torch.optim.Optimizer]:
 def _complete(out_dir: Path) -> list[tuple[int, Path]]:
     """(step, path) of the complete checkpoints in out_dir, oldest first: step_N directories
     holding DCP's .metadata (a save writes it last, in a .tmp directory renamed when done;
-    an empty or half-copied step_N is not one, so latest() skips it and prune() keeps the
-    good ones)."""
+    an emptied step_N is not one, so prune() keeps the good ones for it)."""
     if not out_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in out_dir.iterdir()
@@ -380,7 +381,21 @@ def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
     if delete_partial and out_dir.is_dir():
         for p in out_dir.glob("step_*.tmp"):
             shutil.rmtree(p)
-    return next((p for _, p in reversed(_complete(out_dir)) if incomplete(p) is None), None)
+    return next((p for p, lacks in _newest_first(out_dir) if lacks is None), None)
+
+
+def passed_over(out_dir) -> list[tuple[Path, str]]:
+    """The step_N folders newer than latest(out_dir) (which it passes over), newest first,
+    each with what it lacks (incomplete()): what a resume says before it goes back."""
+    return list(itertools.takewhile(lambda found: found[1] is not None, _newest_first(_out_dir(out_dir))))
+
+
+def _newest_first(out_dir: Path):
+    """(path, incomplete(path)) of out_dir's step_N folders, newest first, each checked when
+    reached (latest() reads the newest whole one's metadata and stops)."""
+    found = sorted(((int(m.group(1)), p) for p in out_dir.iterdir() if p.is_dir() and (m := _NAME.fullmatch(p.name))),
+                   reverse=True) if out_dir.is_dir() else []
+    return ((p, incomplete(p)) for _, p in found)
 
 
 def incomplete(path) -> Optional[str]:

@@ -293,7 +293,8 @@ def test_latest_passes_over_a_folder_missing_files_its_metadata_names(tmp_path):
     copies .metadata, which sorts first, before the data) counted as the newest complete
     checkpoint: latest(), load_model of the run's folder, export and --resume chose it and
     failed. latest() takes the newest folder whose files are all there, and incomplete() says
-    what the other lacks; an intact one is None."""
+    what the other lacks (passed_over() lists the newer ones latest() passes over); an intact
+    one is None."""
     model, opts = _build()
     _train(model, opts)
     good = ckpt.save(tmp_path, 2, model=model, optimizers=opts, extra={"step": 2}).wait()
@@ -308,9 +309,9 @@ def test_latest_passes_over_a_folder_missing_files_its_metadata_names(tmp_path):
                         (cut, r"__0_0\.distcp is (\d+) bytes of the (\d+) its \.metadata names"),
                         (lambda p: (p / "extra_rank0.pt").unlink(), "no extra_rank0.pt")):
         bad = ckpt.save(tmp_path, 4, model=model, optimizers=opts, extra={"step": 4}).wait()
-        assert ckpt.latest(tmp_path) == bad and ckpt.incomplete(bad) is None
+        assert ckpt.latest(tmp_path) == bad and ckpt.incomplete(bad) is None and ckpt.passed_over(tmp_path) == []
         damage(bad)
-        assert ckpt.latest(tmp_path) == good
+        assert ckpt.latest(tmp_path) == good and ckpt.passed_over(tmp_path) == [(bad, ckpt.incomplete(bad))]
         said = re.fullmatch(why, ckpt.incomplete(bad))
         assert said and (not said.groups() or int(said[1]) == int(said[2]) - 1), ckpt.incomplete(bad)
         fresh, _ = _build()
