@@ -1639,9 +1639,11 @@ def _deepseek_moe(hf: dict, *, n_dense: Optional[int] = None) -> dict:
     """The MoE blocks of the DeepSeek-style families (DeepSeek-V2 / -V3, GLM-4.5 / -4.7-Flash,
     dots.llm1): first_k_dense_replace dense blocks (or n_dense), then MoE blocks of experts
     of moe_intermediate_size with n_shared_experts shared experts, the routed weights scaled
-    by routed_scaling_factor."""
+    by routed_scaling_factor. first_k_dense_replace past num_hidden_layers (DeepSeek-V3's
+    default 3 in a 2-layer config) makes every block dense, as transformers builds it."""
     return dict(ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"], n_shared=hf.get("n_shared_experts") or 0,
-                n_dense=hf.get("first_k_dense_replace", 0) if n_dense is None else n_dense, route_scale=_route_scale(hf))
+                n_dense=min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"]) if n_dense is None else n_dense,
+                route_scale=_route_scale(hf))
 
 
 def _route_scale(hf: dict) -> Optional[float]:
@@ -5324,7 +5326,22 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     except (TypeError, ZeroDivisionError) as err:  # another field of the wrong kind, or 0 where a size is divided by
         raise ValueError(f"config.json: a field of {str(file)!r} has a value its {model_type} config cannot take ({type(err).__name__}: "
                          f"{err})") from None
-    return hf, TransformerConfig(**kwargs)
+    try:
+        return hf, TransformerConfig(**kwargs)
+    except ValueError as err:  # TransformerConfig names its own fields: say which config.json field that is
+        name, _, why = str(err).partition(": ")
+        field = _CONFIG_FIELDS.get(name)
+        if field is None or not why:
+            raise
+        raise ValueError(f"config.json: {field} (fmoe's {name}): {why}") from None
+
+
+# fmoe's TransformerConfig fields and the config.json fields most families map them from (read_config's errors)
+_CONFIG_FIELDS = dict(k="num_experts_per_tok", n_experts="the number of experts (num_experts, num_local_experts or n_routed_experts)",
+                      n_dense="first_k_dense_replace (the dense blocks first)", n_layers="num_hidden_layers", hidden="hidden_size",
+                      n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim="head_dim", vocab_size="vocab_size",
+                      ffn_expert="moe_intermediate_size", ffn_dense="intermediate_size", n_groups="n_group", topk_groups="topk_group",
+                      n_shared="n_shared_experts", window="sliding_window", rope_base="rope_theta")
 
 
 def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[str]:

@@ -1122,6 +1122,41 @@ def test_a_model_a_family_cannot_hold_is_refused_before_writing():
     assert hf.hf_config(dbrx, "dbrx")["ffn_config"]["moe_num_experts"] == 4
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "dots1"])
+def test_dense_blocks_first_past_the_layer_count_make_every_block_dense(family, tmp_path):
+    """first_k_dense_replace past num_hidden_layers (DeepSeek-V3's default 3 in a smaller
+    config): transformers builds every block dense; fmoe refused the folder ("n_dense:
+    expected 0..n_layers = 3, got 5"). It reads the same all-dense model, with the same
+    logits, and writes it back as one transformers reads the same."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config.first_k_dense_replace = 5
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    assert not any(hasattr(layer.mlp, "gate") for layer in ref.model.layers)  # transformers' model: every block dense
+    ref.save_pretrained(tmp_path / "theirs")
+    model, cfg = hf.from_pretrained(tmp_path / "theirs", impl="torch")
+    assert cfg.n_dense == cfg.n_layers == 3 and not model.moe_layers()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+        assert _rel(_exported_logits(model, tmp_path / "ours", family), _their_logits(ref, docs)) < 1e-5
+
+
+@pytest.mark.parametrize("field,value,names", [("num_experts_per_tok", 9, r"num_experts_per_tok \(fmoe's k\): expected 1\.\.8, got 9"),
+                                               ("num_hidden_layers", 0, r"num_hidden_layers = 0, expected a positive int"),
+                                               ("n_group", 3, r"n_group \(fmoe's n_groups\): the 8 experts must split evenly")],
+                         ids=["num_experts_per_tok", "num_hidden_layers", "n_group"])
+def test_a_config_fmoe_refuses_names_the_config_json_field(field, value, names, folders, tmp_path):
+    """A config.json value the mapped TransformerConfig refuses is named by its config.json
+    field (the error named fmoe's own field: "k: expected 1..8, got 9")."""
+    path, _ = folders["deepseek_v3"]
+    shutil.copytree(path, tmp_path / "bad")
+    fields = json.loads((tmp_path / "bad" / "config.json").read_text())
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({**fields, field: value}))
+    with pytest.raises(ValueError, match=r"^config\.json: " + names):
+        hf.from_pretrained(tmp_path / "bad")
+
+
 # transformers 4.x wrote no layer_types: transformers derives them from max_window_layers (Qwen2 and Qwen3: the layers from it
 # on slide; Qwen2-MoE: every other one from layer 0 below it)
 MAX_WINDOW_LAYERS = {
