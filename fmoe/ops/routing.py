@@ -562,13 +562,20 @@ def route(
         routes = Routes(*_route_fwd(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits))
     else:
         routes = route_ref(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
-    if checking(check, logits):  # an infinite logit: NaN (or inf) weights where the score normalizes (a softmax over +inf)
-        bad = ~torch.isfinite(routes.weights).all(dim=1)
-        if bad.any():
-            rows = bad.nonzero().flatten()
-            raise ValueError(f"logits: infinite logits give non-finite weights under score={score!r} in {rows.numel()} row(s), first at row "
-                             f"{int(rows[0])}; clamp the logits (pass check=False to skip this check)")
+    if checking(check, logits):
+        _refuse_nonfinite_weights(routes.weights, f"score={score!r}")
     return routes
+
+
+def _refuse_nonfinite_weights(weights_TK: torch.Tensor, what: str) -> None:
+    """ValueError naming the rows where infinite logits gave NaN (or inf) weights (a softmax
+    over +inf, or over nothing but -inf): route's, hash_route's and sparsemixer_route's
+    check (one device->host sync)."""
+    bad = ~torch.isfinite(weights_TK).all(dim=1)
+    if bad.any():
+        rows = bad.nonzero().flatten()
+        raise ValueError(f"logits: infinite logits give non-finite weights under {what} in {rows.numel()} row(s), first at row "
+                         f"{int(rows[0])}; clamp the logits (pass check=False to skip this check)")
 
 
 def hash_route(
@@ -600,7 +607,8 @@ def hash_route(
         score, normalize, scale: as route's.
         check: read token_ids and the rows of the table they pick (one device->host sync;
             skipped under torch.compile) and raise a ValueError on an id out of range, an
-            expert out of range or named twice in a row, or NaN logits.
+            expert out of range or named twice in a row, NaN logits, or infinite logits that
+            give non-finite weights (a softmax over +inf, or over the table's experts all -inf).
     Returns:
         Routes(weights [T, k] float32, experts [T, k] int64), the table's order. Differentiable
         with respect to logits through the weights; no gradient to the table.
@@ -639,7 +647,10 @@ def hash_route(
             raise ValueError("table: expected k distinct experts in each row, got a row naming an expert twice")
     experts_TK = table.index_select(0, token_ids.long()).long()
     src_TK = _scores_ref(logits.gather(1, experts_TK), code, None)[1]  # elementwise scores, or the logits (softmax)
-    return Routes(_chosen_weights(src_TK, code, scale), experts_TK)
+    routes = Routes(_chosen_weights(src_TK, code, scale), experts_TK)
+    if checking(check, logits):
+        _refuse_nonfinite_weights(routes.weights, f"score={score!r}")
+    return routes
 
 
 def check_sparsemixer_eps(eps) -> float:
@@ -657,7 +668,9 @@ def sparsemixer_route(logits: torch.Tensor, *, eps: float, check: bool = True) -
     Args:
         logits: [T, E] router logits, E >= 2, float32 / bfloat16 / float16.
         eps: the relative gap's half, >= 0 (config.json's router_jitter_noise: 0.01).
-        check: raise a ValueError on NaN logits (one device->host sync).
+        check: raise a ValueError on NaN logits, or on infinite ones that give non-finite
+            weights (+inf, or one finite logit: no second expert to weigh); one device->host
+            sync each.
     Returns:
         Routes(weights [T, 2] float32, experts [T, 2] int64), the first choice first.
         Differentiable with respect to logits through the weights (the softmax's gradient
@@ -686,7 +699,10 @@ def sparsemixer_route(logits: torch.Tensor, *, eps: float, check: bool = True) -
         weights.append(gates_TE.gather(1, expert_T1))
         experts.append(expert_T1)
         scores_TE = logits_TE.scatter(1, expert_T1, -math.inf)  # the second round: the first choice out
-    return Routes(torch.cat(weights, dim=1), torch.cat(experts, dim=1))
+    routes = Routes(torch.cat(weights, dim=1), torch.cat(experts, dim=1))
+    if checking(check, logits):
+        _refuse_nonfinite_weights(routes.weights, "sparsemixer routing")
+    return routes
 
 
 def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:

@@ -302,6 +302,17 @@ def test_hash_route_bad_inputs():
     # a bad row no token reads is not read
     assert F.hash_route(x, torch.tensor([0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [9, 9]])).experts.tolist() == [[0, 1], [2, 3]] * 2
     _raises("logits: contains NaN", F.hash_route, torch.full((4, 6), float("nan")), ids, table)
+    # infinite logits that give NaN weights (route's check; the weights were NaN): +inf, or a row whose experts are all -inf
+    # (token_ids 1 read experts 2 and 3 in rows 1 and 3)
+    inf = x.clone()
+    inf[1, 3] = math.inf
+    _raises(r"^logits: infinite logits give non-finite weights under score='softmax' in 1 row\(s\), first at row 1;", F.hash_route, inf, ids, table)
+    inf[1, 2:4] = inf[3, 2:4] = -math.inf
+    _raises(r"^logits: infinite logits give non-finite weights under score='softmax' in 2 row\(s\), first at row 1;", F.hash_route, inf, ids, table)
+    assert F.hash_route(inf, ids, table, check=False).weights[1].isnan().all()  # check=False: no sync, no check
+    assert F.hash_route(inf, ids, table, score="sigmoid").weights[[1, 3]].eq(0).all()  # sigmoids of -inf: 0 / (0 + 1e-20), finite
+    inf[1, 2] = 0.0  # one -inf among a row's experts: weight 0, as route's
+    assert F.hash_route(inf[:2], ids[:2], table).weights[1].tolist() == [1.0, 0.0]
     _raises("score: expected one of", F.hash_route, x, ids, table, score="relu")
     with pytest.raises(ValueError, match=r"^normalize: applies to score='sigmoid' or 'sqrtsoftplus' only \(a softmax over the k chosen logits sums to 1\)$"):
         F.hash_route(x, ids, table, normalize=False)  # not route's hint of pre_softmax, which hash_route has not
@@ -754,10 +765,17 @@ def test_sparsemixer_bad_inputs():
                           (dict(logits=torch.zeros(3, 4), eps=-0.1), r"eps: expected a finite number >= 0, got -0.1"),
                           (dict(logits=torch.zeros(3, 4), eps=math.nan), r"eps: expected a finite number >= 0"),
                           (dict(logits=torch.zeros(3, 4), eps=True), r"eps: expected a finite number >= 0"),
-                          (dict(logits=torch.tensor([[0.0, math.nan]]), eps=0.1), r"logits")):
+                          (dict(logits=torch.tensor([[0.0, math.nan]]), eps=0.1), r"logits"),
+                          # infinite logits that give a NaN weight: +inf, or one finite logit (no second expert to weigh)
+                          (dict(logits=torch.tensor([[0.0, 1.0, 2.0], [math.inf, 1.0, 2.0]]), eps=0.1),
+                           r"^logits: infinite logits give non-finite weights under sparsemixer routing in 1 row\(s\), first at row 1;"),
+                          (dict(logits=torch.tensor([[-math.inf, 1.0, -math.inf]]), eps=0.1), r"^logits: infinite logits give non-finite")):
         with pytest.raises(ValueError, match=match):
             F.sparsemixer_route(kwargs.pop("logits"), **kwargs)
     assert F.sparsemixer_route(torch.zeros(0, 4), eps=0.1).weights.shape == (0, 2)
+    assert F.sparsemixer_route(torch.tensor([[-math.inf, 1.0, -math.inf]]), eps=0.1, check=False).weights[0, 1].isnan()
+    w, e = F.sparsemixer_route(torch.tensor([[-math.inf, 1.0, 0.5]]), eps=0.1)  # one -inf: chosen by neither round
+    assert e.tolist() == [[1, 2]] and w.isfinite().all()
 
 
 @pytest.mark.xfail(condition=torch.__version__.startswith("2.13."), strict=True, raises=AssertionError,
