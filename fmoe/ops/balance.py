@@ -433,7 +433,7 @@ def seq_load_balancing_loss(
         raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
     check_device("experts", experts, scores.device, "scores")
     check_token_mask("mask", mask, T)
-    check_cu_seqlens(cu_seqlens, T, check=check)
+    check_cu_seqlens(cu_seqlens, T, check=check, like=("scores", scores))
     if checking(check, experts):
         check_expert_ids("experts", experts, E)
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)

@@ -24,6 +24,7 @@ MoE transformer uses, read no tensor value on the host (tests/ops/test_checks.py
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -137,12 +138,19 @@ def check_token_mask(name: str, mask, n_tokens: int) -> None:
         raise ValueError(f"{name}: expected None or a bool tensor [{n_tokens}] (True where a token counts), got {got}")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_seqlens", *, check: bool = True) -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_seqlens", *, check: bool = True,
+                     like: Optional[tuple[str, torch.Tensor]] = None) -> None:
     """cu_seqlens [n+1]: int32/int64 with n >= 1 (free), and with check (one device->host
-    sync, skipped under torch.compile) starts at 0, non-decreasing, ends at n_tokens."""
+    sync, skipped under torch.compile) starts at 0, non-decreasing, ends at n_tokens.
+    like: (name, tensor) the offsets are copied to the device of (any device, the host's
+    included): a ValueError where cu_seqlens is a meta tensor and that one holds values
+    (there is nothing to copy)."""
     check_index(name, cu_seqlens, 1, "[n_seqs + 1]")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name}: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
+    if like is not None and cu_seqlens.is_meta and not like[1].is_meta:
+        raise ValueError(f"{name}: a meta tensor holds no offsets to copy to the device of {like[0]} ({like[1].device}): pass them "
+                         "there or on the host")
     if not checking(check, cu_seqlens):
         return
     c = cu_seqlens.detach().cpu()

@@ -280,7 +280,7 @@ def roll_packed(
     _check_fill(fill, x.dtype)
     if x.element_size() not in _BITS:
         raise ValueError(f"x: dtype {x.dtype} ({x.element_size()} bytes per element) is not supported")
-    check_cu_seqlens(cu_seqlens, x.shape[dim], check=check)
+    check_cu_seqlens(cu_seqlens, x.shape[dim], check=check, like=("x", x))
     signed = _SIGNED.get(x.dtype)
     if signed is not None:  # torch's index ops lack uint16/32/64 (a token file's ids): the same bits as the signed type's
         fill = torch.tensor(fill, dtype=x.dtype).view(signed).item()
@@ -380,7 +380,7 @@ def mtp_targets(
     elif not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (T,):
         raise ValueError(f"loss_mask: expected a tensor of shape ({T},), got {getattr(loss_mask, 'shape', type(loss_mask).__name__)}")
     check_device("loss_mask", loss_mask, tokens.device, "tokens")
-    check_cu_seqlens(cu_seqlens, T, check=check)
+    check_cu_seqlens(cu_seqlens, T, check=check, like=("tokens", tokens))
     if positions is None:
         positions = positions_ref(cu_seqlens.to(tokens.device), T)
     else:

@@ -269,6 +269,9 @@ def test_seq_loss_bad_cu_seqlens():
     _raises("cu_seqlens: expected dtype int32 or int64", F.seq_load_balancing_loss, scores, experts, torch.tensor([0.0, 10.0]), k=2)
     _raises("cu_seqlens: expected at least 2 entries", F.seq_load_balancing_loss, scores, experts, torch.tensor([0]), k=2)
     _raises(r"experts: expected shape \(10, 3\)", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 10]), k=3)
+    # offsets on the meta device (no values to copy) beside scores that hold values: named (torch's "Cannot copy out of meta tensor")
+    _raises(r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of scores \(cpu\)", F.seq_load_balancing_loss, scores,
+            experts, torch.tensor([0, 10], device="meta"), k=2)
 
 
 @pytest.mark.parametrize("bad", [4, -2])

@@ -236,6 +236,12 @@ def test_bad_inputs():
             mtp_targets(x, c, 1)
     with pytest.raises(ValueError, match="cu_seqlens.*end at the token count 4"):
         roll_packed(torch.zeros(2, 4), cu, dim=1)
+    # offsets on the meta device beside tokens that hold values: nothing to copy (torch's "Cannot copy out of meta tensor")
+    with pytest.raises(ValueError, match=r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of x \(cpu\)"):
+        roll_packed(x, cu.to("meta"))
+    with pytest.raises(ValueError, match=r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of tokens \(cpu\)"):
+        mtp_targets(x, cu.to("meta"), 1)
+    assert roll_packed(x.to("meta"), cu.to("meta")).is_meta and roll_packed(x.to("meta"), cu).is_meta  # shapes alone: as before
     with pytest.raises(ValueError, match="cu_seqlens.*start at 0"):
         positions_from_cu_seqlens(torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="cu_seqlens.*end at the token count 5"):
