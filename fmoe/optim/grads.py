@@ -189,11 +189,17 @@ def _torch_path(tensors: list[Optional[torch.Tensor]], world: int) -> bool:
     return world == 1 and not any(isinstance(t, DTensor) or (t is not None and t.dtype in _LOW_PRECISION) for t in tensors)
 
 
-def _local_shards(tensors: list[Optional[torch.Tensor]], world: int, what: str = "its gradient") -> list[tuple[torch.Tensor, int]]:
+def _local_shards(tensors: list[Optional[torch.Tensor]], pg: Optional[dist.ProcessGroup], world: int,
+                  what: str = "its gradient") -> list[tuple[torch.Tensor, int]]:
     """(this rank's local shard, number of ranks holding an identical copy of it) for every
     tensor that is not None (the parameters' .grad, or the parameters themselves; `what`
-    names them in errors); the tensors' own storage, so in-place scaling sticks."""
+    names them in errors); the tensors' own storage, so in-place scaling sticks. A DTensor
+    whose mesh holds a rank outside pg is a ValueError (read on the host, no collective):
+    a group of the same size over other ranks summed other shards, another norm on each
+    slice of ranks."""
     out = []
+    inside: dict[int, bool] = {}  # id(mesh) -> whether its ranks lie in pg (many tensors share a mesh)
+    group_ranks = None
     for i, t in enumerate(tensors):
         if t is None:
             continue
@@ -208,6 +214,12 @@ def _local_shards(tensors: list[Optional[torch.Tensor]], world: int, what: str =
             )
         if mesh.size() > world or world % mesh.size():
             raise ValueError(f"parameters[{i}]: {what}'s mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
+        if pg is not None and id(mesh) not in inside:
+            group_ranks = set(dist.get_process_group_ranks(pg)) if group_ranks is None else group_ranks
+            inside[id(mesh)] = set(mesh.mesh.flatten().tolist()) <= group_ranks
+        if pg is not None and not inside[id(mesh)]:
+            raise ValueError(f"parameters[{i}]: {what}'s mesh holds ranks {sorted(mesh.mesh.flatten().tolist())}, not all in the group's "
+                             f"ranks {sorted(group_ranks)}: pass a group that holds every rank of the gradients' meshes (e.g. the world)")
         if mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's mesh and holds none of it
         replicas = world // mesh.size()  # the other slices of the world hold the same shard
@@ -246,7 +258,7 @@ def _distributed_norm(tensors: list[Optional[torch.Tensor]], p: float, pg: Optio
     """The module docstring's algorithm over `tensors` (the .grad of each parameter, or the
     parameters; None is skipped); the collective only when the group has ranks to join;
     then over the pipeline group pp (the other stages' sums), when given."""
-    shards = [(g, r) for g, r in _local_shards(tensors, world, what) if g.numel() > 0]  # empty shards add 0
+    shards = [(g, r) for g, r in _local_shards(tensors, pg, world, what) if g.numel() > 0]  # empty shards add 0
     if pg is None:
         device = shards[0][0].device if shards else torch.device("cpu")
     else:
@@ -399,7 +411,7 @@ def clip_grad_norm(
         return norm.float()
     norm = _distributed_norm(grads, p, pg, world, foreach, pp)
     coef = clip_factor(norm, max_norm)
-    local = [g for g, _ in _local_shards(grads + [q.grad for q in copies], world)]
+    local = [g for g, _ in _local_shards(grads + [q.grad for q in copies], pg, world)]
     if foreach is False:
         for g in local:
             g.mul_(coef.to(g.device))
@@ -496,8 +508,8 @@ def zero_grad_count(
     params = _without_copies(_as_param_list(parameters), _as_param_list(copies))
     pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
-    grads = _local_shards([p.grad for p in params], world, "its gradient")
-    bare = _local_shards([p if p.grad is None else None for p in params], world, "its value")
+    grads = _local_shards([p.grad for p in params], pg, world, "its gradient")
+    bare = _local_shards([p if p.grad is None else None for p in params], pg, world, "its value")
     if pg is None:
         device = grads[0][0].device if grads else bare[0][0].device if bare else torch.device("cpu")
     else:

@@ -9,6 +9,7 @@ validation runs in this process (it comes before any collective).
 
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -508,7 +509,7 @@ def _check_grad_norm(results, configs):
 
 
 def _world_refusals(rank, world_size):
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from fmoe.parallel.mesh import build_meshes
 
@@ -522,6 +523,18 @@ def _world_refusals(rank, world_size):
     with pytest.raises(ValueError, match=r"parameters\[0\]: .*Partial"):
         grad_norm([p])
     refused["Partial grad"] = True
+    # a group of the gradient's mesh size over other ranks: the tp pair beside a gradient sharded over dp_shard (rank 0: ranks 0, 2
+    # against 0, 1) summed other shards, 5.29 on ranks 0-1 and 15.87 on ranks 2-3 for 11.83, each pair clipping by its own factor
+    sliced = build_meshes(dp_shard=2, tp=2, ep=1)
+    q = torch.nn.Parameter(distribute_tensor(torch.zeros(8), sliced.axis("dp_shard"), [Shard(0)]))
+    q.grad = distribute_tensor(torch.arange(8.0), sliced.axis("dp_shard"), [Shard(0)])
+    shard = sorted(sliced.axis("dp_shard").mesh.tolist())
+    for fn in (grad_norm, lambda ps, group: clip_grad_norm(ps, 1.0, group=group)):
+        with pytest.raises(ValueError, match=rf"^parameters\[0\]: its gradient's mesh holds ranks {re.escape(str(shard))}, not all in "
+                                             rf"the group's ranks {re.escape(str(sorted(sliced.axis('tp').mesh.tolist())))}"):
+            fn([q], group=sliced.axis("tp"))
+    refused["group beside the mesh"] = torch.equal(q.grad.to_local(), torch.arange(8.0).chunk(2)[sliced.axis("dp_shard").get_local_rank()])  # left unscaled
+    refused["norm over the world"] = grad_norm([q]).item() == pytest.approx(float(torch.arange(8.0).norm()))
     return refused
 
 
@@ -685,7 +698,7 @@ def test_grad_norm_and_clip_over_meshes_4_ranks(world4):
 
 def test_refusals_that_need_a_world(world4):
     for r in world4:
-        assert r["refusals"] == {"2-D mesh": True, "Partial grad": True}
+        assert r["refusals"] == {"2-D mesh": True, "Partial grad": True, "group beside the mesh": True, "norm over the world": True}
 
 
 def test_global_loss_micro_batches_with_running_counts():
