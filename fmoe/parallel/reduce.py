@@ -321,6 +321,10 @@ def all_reduce_counts(
     summed with a single all_reduce. A layer this rank does not hold (a pipeline stage
     without it, a rank with no MoE layer: counts = {}) contributes zeros, so every rank takes
     part in the same collective. Integers, so the totals are exact and identical everywhere.
+    Names that differ between ranks (other layers, as many of them) make every returned
+    count -1 on every rank, a value no count takes (one rank's layer_2 summed into another's
+    layer_3 before): all_reduce_sums' fingerprint of the names rides in the same collective,
+    compared on the device.
 
     Use: the expert-bias update (actual routing counts over TP x DP x CP) and the global-
     batch aux loss (aux counts over the data-parallel ranks).
@@ -346,12 +350,32 @@ def all_reduce_counts(
         return {}
     device = collective_device(pg, list(counts.values()))
     rows = sorted(names)  # the buffer's rows: the same on every rank whatever order each lists its layers in
-    counts_LE = torch.zeros(len(rows), n_experts, dtype=torch.int64, device=device)
+    L, E = len(rows), n_experts
+    buf = torch.zeros(L * E + len(_MARK_SLOTS), dtype=torch.int64, device=device)  # the counts, then the names' fingerprint
+    counts_LE = buf[:L * E].view(L, E)
     for i, name in enumerate(rows):
         if name in counts:
             counts_LE[i] = counts[name].detach()
-    dist.all_reduce(counts_LE, op=dist.ReduceOp.SUM, group=pg)
+    marks = _names_fingerprint(rows)
+    for j, mark in enumerate(marks):
+        buf[L * E + j].fill_(mark)  # a fill on the device, no host-to-device copy
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
+    world = dist.get_world_size(pg)
+    same = torch.stack([buf[L * E + j] == mark * world for j, mark in enumerate(marks)]).all()
+    counts_LE = torch.where(same, counts_LE, -1)  # on the device: no host sync
     return {name: counts_LE[rows.index(name)] for name in names}
+
+
+_MARK_SLOTS = range(3)
+
+
+def _names_fingerprint(names: list[str]) -> list[int]:
+    """A 96-bit fingerprint of a sorted list of names, as three 32-bit integers (BLAKE2b of
+    its repr: names holding a separator cannot join into another list's string). Summed over
+    up to 2**21 ranks each stays below 2**53, exact in float64 and int64: equal names never
+    read as different, different ones pass only by chance (about 2**-96)."""
+    digest = hashlib.blake2b(repr(names).encode(), digest_size=4 * len(_MARK_SLOTS)).digest()
+    return [int.from_bytes(digest[4 * j:4 * j + 4], "little") for j in _MARK_SLOTS]
 
 
 def global_load_balancing_loss(
@@ -461,11 +485,8 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
             return v.detach().reshape(()).to(device=device, dtype=torch.float64)
         return torch.full((), float(v), dtype=torch.float64, device=device)
 
-    # the names' fingerprint beside the values: summed, each slot is world x this rank's own only where every rank passed
-    # these names. repr: names holding a separator cannot join into another list's string; 32-bit slots: a sum over up
-    # to 2**21 ranks stays below 2**53, exact in float64, so equal names never read as different
-    digest = hashlib.blake2b(repr(names).encode(), digest_size=12).digest()
-    marks = [float(int.from_bytes(digest[i:i + 4], "little")) for i in range(0, 12, 4)]
+    # the names' fingerprint beside the values: summed, each slot is world x this rank's own only where every rank passed these names
+    marks = [float(mark) for mark in _names_fingerprint(names)]
     buf = torch.stack([on_device(values[n]) for n in names] + [on_device(m) for m in marks])
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
     world = dist.get_world_size(pg)

@@ -558,10 +558,15 @@ def _mismatched_names_results(rank):
     names = ["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"]
     own = {"layer_1": torch.tensor([10, 0]), "layer_2": torch.tensor([0, 14])} if rank == 0 else {"layer_1": torch.tensor([1, 2]), "layer_2": torch.tensor([3, 4])}
     counts = all_reduce_counts(own, dist.group.WORLD, names=names, n_experts=2)
+    # other layers, as many of them: rank 0's layer_2 [10, 0] and rank 1's layer_3 [0, 7] summed into each other ([10, 7] on both)
+    other = ["layer_1", "layer_2"] if rank == 0 else ["layer_1", "layer_3"]
+    crossed = all_reduce_counts({"layer_1": torch.tensor([1, 1]), other[1]: torch.tensor([10, 0] if rank == 0 else [0, 7])}, dist.group.WORLD,
+                                names=other, n_experts=2)
     # names a weak fingerprint took for the same: crc32 % 2**20 of these two collides; joined by "\0", these two lists read alike
     collided = all_reduce_sums({"loss_130": 1.0} if rank == 0 else {"loss_22100": 2.0}, dist.group.WORLD)
     joined = all_reduce_sums({"a\0b": 1.0, "c": 2.0} if rank == 0 else {"a": 1.0, "b\0c": 2.0}, dist.group.WORLD)
     return dict(sums={k: v.item() for k, v in sums.items()}, counts={k: v.tolist() for k, v in counts.items()}, order=list(counts),
+                crossed={k: v.tolist() for k, v in crossed.items()},
                 collided={k: v.item() for k, v in collided.items()}, joined={k: v.item() for k, v in joined.items()})
 
 
@@ -674,13 +679,14 @@ def test_all_reduce_sums(world2, world4):
 def test_names_that_differ_between_ranks_never_sum_into_each_other(world2):
     """all_reduce_sums: every value NaN on every rank (a fingerprint of the names rides in the
     collective, read on the device); all_reduce_counts: each layer's own counts whatever order
-    each rank lists the layers in."""
+    each rank lists the layers in, every count -1 where the ranks name other layers."""
     for rank, result in enumerate(world2):
         got = result["mismatched"]
         assert list(got["sums"]) == ["loss", "aux" if rank == 0 else "z"] and all(v != v for v in got["sums"].values()), got
         for key in ("collided", "joined"):
             assert len(got[key]) == (1 if key == "collided" else 2) and all(v != v for v in got[key].values()), (key, got[key])
         assert got["counts"] == {"layer_1": [11, 2], "layer_2": [3, 18]} and got["order"] == (["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"])
+        assert got["crossed"] == {"layer_1": [-1, -1], "layer_2" if rank == 0 else "layer_3": [-1, -1]}, got["crossed"]
 
 
 def test_global_loss_adds_up_over_ranks_and_gradients_sum(world2, world4):
