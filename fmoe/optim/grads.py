@@ -115,6 +115,9 @@ def process_group(group, name: str = "group") -> dist.ProcessGroup:
         return group.get_group()
     if isinstance(group, dist.ProcessGroup):
         return group
+    if group is None and not (dist.is_available() and dist.is_initialized()):  # dist.group.WORLD before init_process_group
+        raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None: torch.distributed is not "
+                         "initialised (run under torchrun and call init_process_group; dist.group.WORLD is None until then)")
     raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
 
 

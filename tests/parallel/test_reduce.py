@@ -822,4 +822,10 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises("group: expected", all_reduce_sums, {"x": 1.0}, None)
     _raises("group: expected", all_reduce_sums, {"x": np.float32(1.5), "y": np.int64(2)}, None)  # numpy's scalars are numbers
     _raises(r"values: expected string names, got \[1\]", all_reduce_sums, {"x": 1.0, 1: 2.0}, None)  # sorted: one order on every rank
+    # dist.group.WORLD before init_process_group is None: said so (it read "got NoneType")
+    assert not dist.is_initialized()
+    for fn, args, kwargs in ((all_reduce_counts, (good, dist.group.WORLD), dict(names=["a"], n_experts=4)), (all_reduce_sums, ({"x": 1.0}, dist.group.WORLD), {}),
+                             (split, (scores, experts, cu), dict(k=2, start=0, group=dist.group.WORLD))):
+        _raises(r"^group: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got None: torch.distributed is not initialised", fn,
+                *args, **kwargs)
     # grad_norm / clip_grad_norm's argument checks: tests/optim/test_grads.py
