@@ -172,6 +172,9 @@ def build_meshes(
             raise ValueError(f"device_type: expected a torch device type such as 'cuda' or 'cpu' (no index), got {device_type!r}")
     if not dist.is_initialized():
         raise ValueError("build_meshes: torch.distributed is not initialised (run under torchrun and call init_process_group)")
+    backend = getattr(torch, device_type, None) if device_type not in (None, "cpu") else None
+    if backend is not None and hasattr(backend, "is_available") and not backend.is_available():  # parallelize failed in torch's assert
+        raise ValueError(f"device_type: {device_type!r} is not available in this process (torch.{device_type}.is_available() is False)")
     world = dist.get_world_size()
     sizes = plan_sizes(world, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp, has_experts=has_experts, pp=pp)
     if device_type is None:

@@ -51,6 +51,12 @@ def _views(rank, world):
         raised = None
     except ValueError as err:
         raised = str(err)
+    unavailable = {}  # a device type torch has but this process cannot use: parallelize failed later in torch's assert
+    for device_type in ("xpu",) + (() if torch.cuda.is_available() else ("cuda",)):
+        try:
+            build_meshes(device_type=device_type)
+        except ValueError as err:
+            unavailable[device_type] = str(err)
     missing = []  # an axis these meshes lack: the refusal listed it among the names it expected
     for name in ("ep", "pp"):
         try:
@@ -62,7 +68,7 @@ def _views(rank, world):
         edp=meshes.axis("edp").mesh.tolist(), etp=meshes.axis("etp").mesh.tolist(), dp_mesh=meshes.dp_mesh.mesh.tolist(),
         group_sizes={a: meshes.group(a).size() for a in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "edp", "ep", "etp")},
         no_experts=dense_only.expert is None, replicate=dense_only.axis("dp_replicate").mesh.tolist(),
-        ep_size=meshes.ep, raised=raised,
+        ep_size=meshes.ep, raised=raised, unavailable=unavailable,
     )
 
 
@@ -77,6 +83,8 @@ def test_views_over_four_ranks():
         assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
         assert r["ep_size"] == 2
         assert "ep * etp = 3 does not divide dp_shard * cp * tp = 4" in r["raised"]
+        assert r["unavailable"] == {t: f"device_type: {t!r} is not available in this process (torch.{t}.is_available() is False)"
+                                    for t in ("xpu",) + (() if torch.cuda.is_available() else ("cuda",))}
         assert r["missing"] == ["name: 'ep' is an axis of the expert mesh, which these meshes lack (build_meshes(has_experts=False))",
                                 "name: 'pp' is the pipeline mesh's axis, which these meshes lack (build_meshes(pp=1))"]
 
