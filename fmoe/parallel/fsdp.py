@@ -39,6 +39,7 @@ tokens are split over ranks and micro-batches (DESIGN.md).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator, Optional
 
 import torch
@@ -263,7 +264,11 @@ def parallelize(
             if moe.cfg.capacity_factor is not None:
                 moe.capacity_drop = ContextCapacityDrop(meshes.axis("cp"), meshes.axis("tp"))
     if meshes.tp > 1:
-        parallelize_module(model, meshes.tp_mesh, tensor_parallel_plan(model))
+        plan = tensor_parallel_plan(model)
+        if not plan:  # a module tree of one's own: every tp rank held and ran the whole model, without a word
+            raise ValueError(f"tp: {type(model).__name__} holds no fmoe.model Block (Attention, DenseMLP, MoE inside one) to split, so "
+                             f"tp = {meshes.tp} cannot apply (apply your own plan with torch's parallelize_module, or build tp=1 meshes)")
+        parallelize_module(model, meshes.tp_mesh, plan)
     # ep = etp = 1: every rank holds every expert and runs its own tokens through them, the
     # gradients summed over the expert data mesh edp (every rank) by FSDP: no dispatcher
     if meshes.ep * meshes.etp > 1:
@@ -285,7 +290,12 @@ def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
         materialize(model, "cuda", seed=0)
 
     Returns model."""
-    if not callable(getattr(model, "reset_parameters", None)):
+    reset = getattr(model, "reset_parameters", None)
+    try:  # before to_empty: a reset_parameters without seed= (nn.Linear's) failed after the weights were emptied
+        takes_seed = callable(reset) and "seed" in inspect.signature(reset).parameters
+    except (TypeError, ValueError):  # no signature to read
+        takes_seed = False
+    if not takes_seed:
         raise ValueError(f"model: expected a module with reset_parameters(seed=) (fmoe.model.Transformer), got {type(model).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int):  # None would take each rank's own torch seed: replicas apart
         raise ValueError(f"seed: expected an int, the same on every rank, got {seed!r}")

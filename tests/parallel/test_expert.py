@@ -403,6 +403,10 @@ def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
     dense = Transformer(dataclasses.replace(cfg, n_dense=1))
     refused(lambda: parallelize(dense, meshes), "meshes: ep / etp: expert parallelism (2 x 1) needs a model with experts, and this one has "
             "no MoE block", "parallelize with ep = 2 of a model without MoE blocks")
+    # tp = 2 over a module tree of one's own (no fmoe Block to split): refused (every tp rank held and ran the whole model)
+    own = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Linear(H, H))
+    refused(lambda: parallelize(own, build_meshes(tp=world, has_experts=False)), f"tp: Sequential holds no fmoe.model Block (Attention, "
+            f"DenseMLP, MoE inside one) to split, so tp = {world} cannot apply", "parallelize with tp of a module of one's own")
     parallelize(model, meshes, max_tokens=12)
     refused(lambda: parallelize(model, meshes), "model: already parallelized", "parallelize applied twice")
     dispatchers = [m.experts.dispatcher for m in model.modules() if hasattr(getattr(m, "experts", None), "dispatcher")]

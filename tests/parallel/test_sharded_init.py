@@ -112,3 +112,19 @@ def test_materialize_needs_an_int_seed():
         with pytest.raises(ValueError, match=f"seed: expected an int, the same on every rank, got {seed!r}"):
             materialize(model, "cpu", seed=seed)
     assert materialize(model, "cpu", seed=3) is model and not model.embed.is_meta
+    # a module whose reset_parameters takes no seed (nn.Linear's): refused before to_empty (it failed after emptying the weights)
+    with torch.device("meta"):
+        own = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"^model: expected a module with reset_parameters\(seed=\) \(fmoe.model.Transformer\), got Linear"):
+        materialize(own, "cpu", seed=0)
+    assert own.weight.is_meta
+
+    class Own(torch.nn.Linear):  # one of one's own that takes the seed
+        def reset_parameters(self, *, seed=None):
+            if seed is not None:
+                torch.nn.init.constant_(self.weight, float(seed))
+                torch.nn.init.zeros_(self.bias)
+
+    with torch.device("meta"):
+        own = Own(4, 4)
+    assert materialize(own, "cpu", seed=2).weight.eq(2.0).all()
