@@ -129,7 +129,7 @@ def _indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale
     q, k, w = q.float(), k.float(), w.float()
     (T, N), S = w.shape, k.shape[0]
     g = max(1, min(N, _INDEXER_GROUP_FLOATS // max(1, T * S)))
-    out_TS = None
+    out_TS = q.new_zeros(T, S) if N == 0 else None  # no head: a sum of nothing (it returned None)
     for n in range(0, N, g):
         relu_TgS = torch.relu(torch.einsum("tnd,sd->tns", q[:, n:n + g], k) * scale)
         part_TS = torch.einsum("tn,tns->ts", w[:, n:n + g], relu_TgS)

@@ -354,6 +354,11 @@ def test_indexer_scores_bad_inputs():
         kw = {key: args.pop(key) for key in ("scale", "impl") if key in args}
         with pytest.raises(ValueError, match=message):
             indexer_scores(args["q"], args["w"], args["k"], **kw)
+    # no head (N = 0): zeros, a sum of nothing (the reference returned None); no query, no key: empty
+    for impl in ("torch", "auto"):
+        out = indexer_scores(q[:, :0], w[:, :0], k, impl=impl)
+        assert out.dtype == torch.float32 and torch.equal(out, torch.zeros(4, 6))
+    assert indexer_scores(q[:0], w[:0], k).shape == (0, 6) and indexer_scores(q, w, k[:0]).shape == (4, 0)
 
 
 @pytest.mark.gpu
