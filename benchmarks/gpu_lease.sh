@@ -27,6 +27,13 @@
 #     bash benchmarks/gpu_lease.sh t    # at once after s: bench_dsv4_attention, bench_routing's dsv4 cases (200 s at most)
 #                                       # (the seventh run, 2026-12-04 on an H200: s 420 s, t 112 s)
 #     bash benchmarks/gpu_lease.sh u    # the seventh run's misses profiled: bench_dsv4_attention, bench_moa, bench_block_sparse; the HostReads test
+#     bash benchmarks/gpu_lease.sh v    # every gpu test (those added after the seventh run too), bench_activation_memory, bench_rope, bench_scan
+#                                       # (after the norms and masks kept less for the backward; the next run: v first, then u)
+#
+# A part stops starting things once it has used $BUDGET seconds (default 540: a device call
+# runs 600 s at most, run_all's start and the copies at the end take the rest): each pytest
+# and benchmark limit is cut to what is left, and one that would get under 20 s is skipped
+# with a line saying so (parts s and t keep their own $S_BUDGET and $T_BUDGET).
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -42,14 +49,28 @@ if ! python3 -c "import tensordict" 2>/dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 
-bench() {  # run_all.py's sections appended to $OUT/RESULTS.md, its own output to log.txt
-    python3 benchmarks/run_all.py --results "$OUT/RESULTS.md" "$@" >> "$OUT/log.txt" 2>&1
+budget=${BUDGET:-540}
+start=$SECONDS
+left() {  # the seconds a step may take: $1, or what is left of the part's budget when less
+    local l=$((budget - (SECONDS - start))); [ "$l" -gt "$1" ] && l=$1; echo "$l"
+}
+
+bench() {  # run_all.py's sections appended to $OUT/RESULTS.md, its own output to log.txt; --timeout cut to left()
+    local args=() t=""
+    while [ $# -gt 0 ]; do
+        if [ "$1" = --timeout ]; then t=$(left "${2%.*}"); args+=(--timeout "$t"); shift 2; else args+=("$1"); shift; fi
+    done
+    if [ -n "$t" ] && [ "$t" -lt 20 ]; then
+        echo "run_all.py ${args[*]}: not run, $t s left of the part's $budget s" | tee -a "$OUT/log.txt"
+        return
+    fi
+    python3 benchmarks/run_all.py --results "$OUT/RESULTS.md" "${args[@]}" >> "$OUT/log.txt" 2>&1
 }
 
 case "${1:-}" in
 a)
     # 4 workers: the compiles are CPU-bound; 8 ran one test out of GPU memory
-    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
+    timeout -k 5 "$(left 170)" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
@@ -69,7 +90,7 @@ c)
     # fp8 after its first GPU run: the gpu tests of fp8 and of the clip's scale, bench_fp8
     # (with its parts table), bench_moe_layer, and bench_train_step --fp8 (three compiles
     # of the large model)
-    timeout 150 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider -o addopts="-ra --durations=5" \
+    timeout -k 5 "$(left 150)" python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider -o addopts="-ra --durations=5" \
         tests/ops/test_fp8.py tests/optim/test_grads.py > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
@@ -82,10 +103,10 @@ e)
     # model step's MTP term, fast accumulation, the quantization kernel's one grid dimension),
     # then bench_sparse_attention
     t=tests/ops/test_fp8.py
-    timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" \
+    timeout -k 5 "$(left 150)" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" \
         tests/ops/test_sparse.py tests/test_attention.py tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (dsa): exit $?"
-    timeout 90 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" \
+    timeout -k 5 "$(left 90)" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" \
         $t::test_gpu_fp8_model_step_makes_no_host_sync $t::test_gpu_fast_accum_is_asked_for_and_stays_near_the_emulation \
         $t::test_gpu_quantize_kernel_gives_the_torch_bits >> "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (fp8): exit $?"
@@ -108,7 +129,7 @@ g)
 h)
     # every gpu test (91.5 s on an H200 at 1bd96b7, 4 workers), then the two benchmarks of
     # goals still missed: cross-entropy and the router (its DeepSeek-V3 cases: 123 s)
-    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
+    timeout -k 5 "$(left 170)" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
@@ -118,7 +139,7 @@ h)
 i)
     # hyper-connections (2026-11-28, not yet run on a GPU): their model tests on the device, then
     # bench_hyper_connections (two cases, each compiling its sublayer twice)
-    timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py \
+    timeout -k 5 "$(left 150)" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (model): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
@@ -131,7 +152,7 @@ j)
     # beside the Mamba-2 states' kernels), then the large model with a Mamba-2 mixer beside the attention in every block,
     # compiled (MFU, host syncs); the DSA model's compile (part g) took more than 200 s. Jamba's decode test beside it
     # (Mamba-1's states, a decay per channel and state channel, through the same kernels)
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py tests/ops/test_scan.py \
+    timeout -k 5 "$(left 150)" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py tests/ops/test_scan.py \
         -k "falcon_h1 or jamba" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (falcon_h1, jamba, the selective scan): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
@@ -142,7 +163,7 @@ k)
     # every gpu test (61 at 4ea592c; 52 took 91.5 s at 1bd96b7 on an H200, 4 workers), then the
     # two benchmarks never run on a GPU: the selective scan's kernels (Mamba-1) and
     # hyper-connections
-    timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
+    timeout -k 5 "$(left 200)" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
@@ -162,8 +183,8 @@ m)
     # the loop before bench() timed a slow call once; bench()'s own gpu test of that; then the
     # large model with Jamba's blocks (314.6 ms per step with them) and with Falcon-H1's, compiled
     t=tests/test_benchmarks.py
-    timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_scan.py \
-        $t::test_bench_times_a_slow_call_alone $t::test_device_ms_times_the_device_alone > "$OUT/gpu_tests.log" 2>&1
+    timeout -k 5 "$(left 80)" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_scan.py \
+        $t::test_bench_times_a_slow_call_five_times $t::test_device_ms_times_the_device_alone > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (the scan, bench()): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_scan --timeout 150
@@ -180,7 +201,7 @@ n)
 o)
     # block-sparse attention (MiniMax-M3's): CUDA's SDPA under the block mask against the CPU layer, then the layer on the
     # sparse kernel against that dense reference and plain full attention at one tp = 4 rank's shapes, T = 8192 and 32768
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" \
+    timeout -k 5 "$(left 120)" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" \
         tests/test_attention.py::test_gpu_block_sparse_attention_matches_the_cpu_layer > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (block-sparse attention): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
@@ -189,11 +210,11 @@ o)
 p)
     # a mixture of attention heads (JetMoE's): CUDA's layer on the grouped GEMMs and on the Triton kernels against the CPU
     # layer, grouped_matmul's paths; then the layer against the per-expert loop and plain GQA of the same heads, T = 8192, 16384
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" \
+    timeout -k 5 "$(left 150)" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" \
         tests/test_attention.py::test_gpu_mixture_of_attention_heads_matches_the_cpu_layer > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (mixture of attention heads): exit $?"
     # grouped_matmul's cases on CUDA tensors (the device fixture is CUDA there): the Triton GEMM, torch._grouped_mm, the loop
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/ops/test_experts.py -k grouped_matmul >> "$OUT/gpu_tests.log" 2>&1
+    timeout -k 5 "$(left 90)" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/ops/test_experts.py -k grouped_matmul >> "$OUT/gpu_tests.log" 2>&1
     echo "grouped_matmul on CUDA: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_moa --timeout 240
@@ -202,7 +223,7 @@ q)
     # DeepSeek-V4's router: the fused kernels' sqrt(softplus) scores (with the correction bias, renormalised, scaled) and
     # their aux scores against the reference on CUDA tensors (the device fixture), the real-shape gpu case (T = 16384,
     # E = 256, k = 6); then bench_routing's dsv4 cases, T = 16384 and 65536 (each compiles its reference: ~60 s a case)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_routing.py tests/ops/test_balance.py \
+    timeout -k 5 "$(left 150)" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_routing.py tests/ops/test_balance.py \
         -k "sqrtsoftplus or gpu_real_shapes or aux_scores_triton" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (sqrt(softplus) routing): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
@@ -213,7 +234,7 @@ r)
     # 1024 tokens, float32), its model trained and decoded on CUDA (contexts of the masks' rules) against the CPU, then
     # bench_dsv4_attention at one tp = 4 rank of V4-Flash, T = 4096: the kernel against the blocked dense reference and
     # the whole one (bf16; the dense one's [16, 4096, 5120] float32 scores fit an H100)
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_attention.py tests/test_model.py \
+    timeout -k 5 "$(left 240)" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_attention.py tests/test_model.py \
         -k "deepseek_v4_layers_on_the_sparse_kernel or deepseek_sparse_attention or deepseek_v4_model_trains" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (DeepSeek-V4 attention): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
@@ -259,7 +280,7 @@ u)
     # attention; then the HostReads test fixed after that run. The ops tables come back as <benchmark>.txt
     # first a probe of one suspect, the CSA indexer loss's gathered keys, whose backward sums ~T J / S = 2048 rows into
     # each key by a sorted index_put (torch's duplicate-heavy path): three backward forms, alone and in the scores chain
-    timeout 90 python3 - > "$OUT/probe_gather.txt" 2>&1 <<'PROBE'
+    timeout -k 5 "$(left 90)" python3 - > "$OUT/probe_gather.txt" 2>&1 <<'PROBE'
 """One-off probe (gpu_lease.sh part u): the CSA indexer loss's gathered keys, keys[slots], and
 their backward, which sums ~T J / S rows into each key (index_put with accumulate). Three
 backward forms of the same gather, timed alone and inside the loss's scores chain."""
@@ -325,12 +346,28 @@ PROBE
     bench --only bench_dsv4_attention --timeout 150 --profile
     bench --only bench_moa --timeout 150 --profile
     bench --only bench_block_sparse --timeout 150 --profile
-    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests/train/test_metrics.py > "$OUT/gpu_tests.log" 2>&1
+    timeout -k 5 "$(left 60)" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests/train/test_metrics.py > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (metrics): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     ;;
+v)
+    # after the seventh run: the norms of bf16 inputs keep their input alone for the backward, the attention's
+    # float mask is made once per context, the sinks' scores recomputed; the scan's and RoPE's int64 offsets. Every
+    # gpu test (72 took 240 s with 6 workers in part s; the new ones: test_scan's and test_rope's past-int32 views),
+    # then the activation memory (its none / full / attention / experts rows), RoPE and the scan
+    nvidia-smi -L
+    timeout -k 5 "$(left 240)" python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $? at $((SECONDS - start)) s"
+    pkill -9 -f "pytest" 2>/dev/null
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+    for b in bench_activation_memory:120 bench_rope:50 bench_scan:120; do
+        bench --only "${b%%:*}" --timeout "${b#*:}"
+        echo "${b%%:*}: done at $((SECONDS - start)) s"
+    done
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v" >&2
     exit 2
     ;;
 esac

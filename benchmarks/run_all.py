@@ -110,13 +110,21 @@ def section(title: str, cmd: list[str], result: dict, timeout: float, tail: int 
     return f"### {title}\n\n`{shown(cmd)}`: {status}, {result['seconds']:.1f} s\n\n```text\n{text}\n```\n\n"
 
 
+def default_results(smoke: bool) -> Path:
+    """The results file run_all appends to without --results: the record of GPU runs,
+    benchmarks/RESULTS.md; a smoke run's (CPU, tiny shapes: no performance numbers) goes to
+    the untracked bench_out/RESULTS-smoke.md instead (it was appended to the record)."""
+    return ROOT / "bench_out" / "RESULTS-smoke.md" if smoke else HERE / "RESULTS.md"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.strip().split("\n\n")[0].split()))
     parser.add_argument("--smoke", action="store_true", help="each benchmark's --smoke mode (CPU, tiny shapes; times are not performance numbers)")
     parser.add_argument("--only", default=None, help="comma-separated benchmark names (bench_routing,...) instead of all")
     parser.add_argument("--timeout", type=float, default=600.0, help=f"seconds each benchmark may run (default 600, at most {MAX_TIMEOUT}: a week)")
     parser.add_argument("--gpu-tests", action="store_true", help="run `pytest -q -m gpu` first and record its summary")
-    parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the Markdown file appended to (default benchmarks/RESULTS.md)")
+    parser.add_argument("--results", type=Path, default=None, help="the Markdown file appended to (default benchmarks/RESULTS.md, the "
+                                                                    "record; with --smoke bench_out/RESULTS-smoke.md in the repository root)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out",
                         help="where the benchmarks write their CSVs, relative to the current directory as --results is "
                              "(default: bench_out in the repository root)")
@@ -134,6 +142,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--only: unknown benchmarks {unknown}; expected some of {', '.join(names)}")
     if not 0 < args.timeout <= MAX_TIMEOUT:  # nan too
         parser.error(f"--timeout: expected a positive number of seconds, at most {MAX_TIMEOUT} (a week), got {args.timeout:g}")
+    if args.results is None:
+        args.results = default_results(args.smoke)
     if args.results.is_dir():
         parser.error(f"--results: expected a file to append to, got the directory {str(args.results)!r}")
     try:

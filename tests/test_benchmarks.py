@@ -548,3 +548,86 @@ def test_bench_decode_counts_the_routed_experts_and_the_rows_a_position_sees():
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - model.embed.numel() + B * chunked.hidden
     assert none == size * (dense + B * (1 + 1 + 1 + 9) * row)
     assert bd.floor_bytes(model, cache, B, used) - none == size * sum(used) * per_expert
+
+
+def _lease_parts() -> dict[str, str]:
+    """gpu_lease.sh's parts: {letter: its body}."""
+    import re
+
+    lease = (ROOT / "benchmarks" / "gpu_lease.sh").read_text()
+    return {m.group(1): m.group(2) for m in re.finditer(r"^([a-z])\)\n(.*?)^    ;;", lease, re.S | re.M)}
+
+
+def test_the_lease_parts_name_tests_and_benchmarks_that_exist():
+    """Every test node and benchmark a gpu_lease.sh part names exists: part m named a test
+    renamed since (test_bench_times_a_slow_call_alone), and pytest ran none of its line."""
+    import re
+
+    parts = _lease_parts()
+    assert len(parts) >= 20 and "v" in parts
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    named = 0
+    for letter, body in parts.items():
+        body = re.sub(r"<<'PROBE'.*?^PROBE$", "", body, flags=re.S | re.M)  # a probe's own Python
+        aliases = dict(re.findall(r"^\s*(\w+)=(tests/\S+\.py)$", body, re.M))
+        for path, name in re.findall(r"(\$\w+|tests/[\w/]+\.py)::(\w+)", body):
+            path = aliases.get(path[1:], path) if path.startswith("$") else path
+            assert (ROOT / path).is_file() and re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), (letter, path, name)
+            named += 1
+        for path in re.findall(r"\b(tests/[\w/]+\.py)\b", body):
+            assert (ROOT / path).is_file(), (letter, path)
+        for only in re.findall(r"--only ([\w,\"$%{}#:*]+)", body):
+            for name in only.strip('"').split(","):
+                assert name.startswith("$") or name in scripts, (letter, name)
+        for b in re.findall(r"\b(bench_\w+):\d+", body):
+            assert b in scripts, (letter, b)
+    assert named >= 6
+
+
+def test_a_lease_part_stops_starting_steps_at_its_budget(tmp_path):
+    """gpu_lease.sh cuts each pytest and benchmark limit to what is left of $BUDGET (a device
+    call runs 600 s at most; part a's limits summed 620 s, j's 670 s, u's 600 s before
+    run_all's start) and skips a step that would get under 20 s, saying so. Run with
+    python3, nvidia-smi and pkill stood in for (each call recorded, nothing run)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls.txt"
+    for name in ("python3", "nvidia-smi", "pkill"):
+        (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {calls}\nexit 0\n')
+        (stubs / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}")
+
+    def run(part, budget):
+        calls.write_text("")
+        out = tmp_path / f"out_{part}_{budget}"
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), part], cwd=ROOT, env=dict(env, OUT=str(out), BUDGET=str(budget)),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout, calls.read_text().splitlines()
+
+    stdout, made = run("v", 540)
+    benches = [c for c in made if "benchmarks/run_all.py" in c]
+    assert [c.split("--only ")[1] for c in benches] == ["bench_activation_memory --timeout 120", "bench_rope --timeout 50",
+                                                        "bench_scan --timeout 120"]
+    assert any(c.startswith("python3 -m pytest -q -m gpu -n 6") for c in made)
+    stdout, made = run("v", 15)  # the budget spent: the gpu tests get 15 s, no benchmark starts
+    assert not [c for c in made if "benchmarks/run_all.py" in c] and any(c.startswith("python3 -m pytest") for c in made)
+    assert stdout.count("not run, 15 s left of the part's 15 s") == 3
+    _, made = run("a", 100)  # part a's limits cut: 100 s for the tests, then what is left
+    assert [c.split("--timeout ")[1].split()[0] for c in made if "benchmarks/run_all.py" in c] == ["60", "100", "60", "90"]
+
+
+def test_run_all_s_smoke_results_stay_out_of_the_record():
+    """run_all.py --smoke without --results appended its CPU section to the tracked
+    benchmarks/RESULTS.md (the record of GPU runs); it goes to bench_out/RESULTS-smoke.md,
+    which git ignores."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all_module", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    assert run_all.default_results(False) == ROOT / "benchmarks" / "RESULTS.md"
+    smoke = run_all.default_results(True)
+    assert smoke == ROOT / "bench_out" / "RESULTS-smoke.md"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(smoke)], cwd=ROOT, capture_output=True)
+    assert ignored.returncode == 0 or not (ROOT / ".git").exists()
