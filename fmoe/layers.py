@@ -127,7 +127,7 @@ from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, hash_route, load_balancing_loss, random_logits, route, sparsemixer_route
 from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
-from fmoe.ops.checks import check_bools, check_float, check_index, check_positive_int, check_token_mask
+from fmoe.ops.checks import check_bools, check_device, check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_matmul, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu, relu)
@@ -391,6 +391,7 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     for name, w in params.items():
         if w is not None and not isinstance(w, torch.Tensor):
             raise ValueError(f"params['{name}']: expected a tensor or None, got {type(w).__name__}")
+    check_params_device(x_TH, params)
     H, E = x_TH.shape[1], cfg.n_choices
     what = "cfg.n_experts" if not cfg.zero_experts else "cfg.n_experts + cfg.zero_experts"
     router = params.get("router")
@@ -442,6 +443,17 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         raise ValueError(f"params['out_bias']: expected a float [{H}] bias on the block's output or none, got {bias.dtype} {list(bias.shape)}")
 
 
+def check_params_device(x: torch.Tensor, params: Mapping) -> None:
+    """ValueError naming the first tensor of params (a layer's weights) on another device than
+    x: a weight left on the meta device gave uninitialised memory with a CPU x (torch's
+    matmul of the two), others a RuntimeError deep in torch."""
+    for name, w in params.items():
+        if isinstance(w, torch.Tensor) and w.device != x.device:
+            raise ValueError(f"params['{name}']: expected device {x.device} like x, got {w.device}"
+                             + (" (a weight never materialised: fmoe.parallel.materialize, or to_empty and reset_parameters)"
+                                if w.is_meta else ""))
+
+
 def _check_dense_weights(x_TH, w_gate_HF, w_up_HF, w_down_FH, *, gated: bool) -> None:
     """ValueError unless x is [T, H] and w_gate (when gated), w_up [H, F], w_down [F, H], all in x's dtype."""
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2:
@@ -459,6 +471,8 @@ def _check_dense_weights(x_TH, w_gate_HF, w_up_HF, w_down_FH, *, gated: bool) ->
                              f"got {list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
         if w.dtype != x_TH.dtype:
             raise ValueError(f"{name}: dtype {w.dtype} differs from x's {x_TH.dtype}")
+        if w.device != x_TH.device:
+            raise ValueError(f"{name}: expected device {x_TH.device} like x, got {w.device}")
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
@@ -480,6 +494,8 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
     for name, b, n in (("b_gate", b_gate, w_up_HF.shape[-1]), ("b_up", b_up, w_up_HF.shape[-1]), ("b_down", b_down, w_down_FH.shape[-1])):
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
             raise ValueError(f"{name}: expected None or a tensor [{n}], got {list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
+        if b is not None:
+            check_device(name, b, x_TH.device, "x")
 
     def biased(y, b):
         return y if b is None else y + b.to(y.dtype)
@@ -573,6 +589,8 @@ def moe(
     """
     _check_moe(x, params, cfg, experts, shared, drop)
     check_token_mask("token_mask", token_mask, x.shape[0])
+    if token_mask is not None:
+        check_device("token_mask", token_mask, x.device, "x")
     if route_x is not None and (not isinstance(route_x, torch.Tensor) or route_x.shape != x.shape or route_x.dtype != x.dtype):
         raise ValueError(f"route_x: expected None or a {x.dtype} tensor of x's shape {tuple(x.shape)}, got "
                          f"{getattr(route_x, 'dtype', type(route_x).__name__)} {tuple(getattr(route_x, 'shape', ()))}")
@@ -640,12 +658,15 @@ def moe(
     if cfg.zero_experts:
         y_TH = y_TH + (x * identity_T[:, None]).to(x.dtype)
         counts_E = torch.cat([counts_E, counts_Z])
-    if shared is None and params.get("shared_w_up") is not None:
+    own_shared = shared is None and params.get("shared_w_up") is not None
+    if own_shared:
         shared = functools.partial(dense_mlp, w_gate_HF=params.get("shared_w_gate"), w_up_HF=params["shared_w_up"],
                                    w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit,
                                    alpha=cfg.shared_swiglu_alpha, offset=cfg.shared_swiglu_offset)
     if shared is not None:
         y_shared_TH = shared(x)
+        if own_shared:  # under torch.autocast the shared experts' matmuls give its dtype: y in x's, as the routed experts' is
+            y_shared_TH = y_shared_TH.to(x.dtype)
         if not isinstance(y_shared_TH, torch.Tensor) or y_shared_TH.shape != x.shape or y_shared_TH.dtype != x.dtype:
             raise ValueError(f"shared: expected shared(x) -> {x.dtype} {list(x.shape)} (x's), got {_described(y_shared_TH)}")
         gate = params.get("shared_gate")
@@ -2167,6 +2188,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         raise ValueError(f"cfg: expected an AttentionConfig, got {type(cfg).__name__}")
     if not isinstance(params, Mapping):
         raise ValueError(f"params: expected a dict of tensors (wq, wk, wv, wo, ...), got {type(params).__name__}")
+    check_params_device(x_TH, params)
     T, H = x_TH.shape
     N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim  # N % G == 0: AttentionConfig checks it
     if cfg.kv_rank is not None:
@@ -2325,7 +2347,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             indexer of its own), the keys it attends to: [T, J] int64 slots, an earlier
             layer's stats["index_choice"] over the same context; None otherwise.
     Returns:
-        (y [T, H] in x's dtype, stats): stats is a TensorDict, empty but for DeepSeek sparse
+        (y [T, H] in x's dtype, stats); under torch.autocast y is what its matmuls give, the
+        autocast dtype (float32 where a float32 bo is added). stats is a TensorDict, empty but for DeepSeek sparse
         attention's "index_choice" ([T, J] int64, J = min(index_topk, S): the keys each query
         attended to, best first, -1 in an empty slot; index_slots; a layer
         with an indexer) and "index_loss" (a float32 scalar with the indexer's gradient, when

@@ -528,6 +528,59 @@ def test_shared_swiglu_limit_clamps_the_shared_experts_in_the_module_and_the_fun
         dense_mlp(x, None, params["shared_w_up"], params["shared_w_down"], act="relu2", limit=1.0)
 
 
+def test_layers_name_a_weight_on_another_device_than_x():
+    """moe, attention and dense_mlp check each weight's device against x's: a weight left on
+    the meta device gave uninitialised memory with a CPU x (torch's matmul of the two: an
+    inf among the outputs of one run), others (a bias, a gate, sinks, token_mask) a
+    RuntimeError deep in torch."""
+    from fmoe.layers import AttentionConfig, attention, attention_context
+
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = _params(cfg, torch.float32, "cpu", shared=True, bias=True)
+    params.update(router_bias=torch.zeros(4), shared_gate=torch.zeros(H))
+    x = torch.randn(5, H)
+    for name in params:
+        with pytest.raises(ValueError, match=rf"^params\['{name}'\]: expected device cpu like x, got meta \(a weight never materialised"):
+            moe(x, dict(params, **{name: params[name].to("meta")}), cfg)
+    with pytest.raises(ValueError, match=r"^token_mask: expected device cpu like x, got meta"):
+        moe(x, params, cfg, token_mask=torch.ones(5, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match=r"^params\['router'\]: expected device meta like x, got cpu"):
+        moe(x.to("meta"), params, cfg)
+    acfg = AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8)
+    g = torch.Generator().manual_seed(0)
+    ap = {n: 0.1 * torch.randn(*shape, generator=g) for n, shape in dict(wq=(H, 32), wk=(H, 16), wv=(H, 16), wo=(32, H), bo=(H,),
+                                                                              sinks=(4,)).items()}
+    ctx = attention_context(torch.tensor([0, 5]), torch.arange(5), acfg)
+    assert attention(x, ap, acfg, ctx)[0].shape == (5, H)
+    for name in ap:
+        with pytest.raises(ValueError, match=rf"^params\['{name}'\]: expected device cpu like x, got meta"):
+            attention(x, dict(ap, **{name: ap[name].to("meta")}), acfg, ctx)
+    wg, wu, wd, b = torch.randn(H, 5), torch.randn(H, 5), torch.randn(5, H), torch.zeros(5)
+    for i, name in enumerate(("w_gate", "w_up", "w_down")):
+        args = [wg, wu, wd]
+        args[i] = args[i].to("meta")
+        with pytest.raises(ValueError, match=rf"^{name}: expected device cpu like x, got meta"):
+            dense_mlp(x, *args)
+    with pytest.raises(ValueError, match=r"^b_up: expected device cpu like x, got meta"):
+        dense_mlp(x, wg, wu, wd, b_up=b.to("meta"))
+
+
+def test_moe_with_shared_expert_weights_runs_under_autocast():
+    """moe with params['shared_w_*'] (no shared callable) under torch.autocast: the shared
+    experts' matmuls give bf16, and moe refused its own output ("shared: expected shared(x) ->
+    torch.float32 [7, 32] (x's), got torch.bfloat16"); y is in x's dtype, as with the routed
+    experts alone, and near the float32 output."""
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu", shared=True).items()}
+    x = torch.randn(7, H)
+    want, _ = moe(x, params, cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = moe(x, params, cfg)
+        routed, _ = moe(x, {n: t for n, t in params.items() if not n.startswith("shared")}, cfg)
+    assert got.dtype == routed.dtype == torch.float32
+    assert (got - want).abs().max() < 0.03 * want.abs().max()
+
+
 def test_dense_mlp_bad_inputs():
     """dense_mlp names the argument whose shape or dtype is off (the matmuls' own errors did not, and x [1, T, H]
     or a w_down [F, H + 1] ran, giving an output of another shape)."""
