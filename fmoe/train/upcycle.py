@@ -55,6 +55,7 @@ from typing import Mapping, Sequence, Union
 import torch
 
 from fmoe.model import Transformer, TransformerConfig, copy_full_value, init_value, name_generator, random_hash_table
+from fmoe.ops.checks import holds_values
 
 
 def _moe_blocks(cfg: TransformerConfig) -> list[str]:
@@ -209,6 +210,9 @@ def _plan(part: Transformer, dense_state: Mapping[str, torch.Tensor], dense_cfg:
             raise ValueError(f"dense_state: {source!r} is a {type(value).__name__}, expected a tensor")
         if tuple(value.shape) != shape:
             raise ValueError(f"dense_state: {source!r} has shape {tuple(value.shape)}, {whose} {shape}")
+        if not holds_values(value):  # read when written: the model half written before torch's NotImplementedError
+            raise ValueError(f"dense_state: {source!r} is a {value.device.type} tensor holding no values (a dense model built on the meta "
+                             "device and never loaded?)")
         plan.append((name, p, what, source))
     return g, plan
 
@@ -246,7 +250,13 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
     if not isinstance(dense_state, Mapping):  # the dense model itself: "argument of type 'Transformer' is not iterable" before
         raise ValueError(f"dense_state: expected the dense model's state (a mapping of names to tensors, e.g. its state_dict()), "
                          f"got {type(dense_state).__name__}")
-    parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+    if isinstance(seed, bool) or not isinstance(seed, int):  # reset_parameters' rule: the routers' rows come from it
+        raise ValueError(f"seed: expected an int (the seed the model was initialised with), got {seed!r}")
+    listed = isinstance(model, Sequence) and not isinstance(model, str)
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model) if listed else []
+    if not parts or not all(isinstance(part, Transformer) for part in parts):
+        raise ValueError(f"model: expected a fmoe.model.Transformer or a sequence of its pipeline chunks, got "
+                         f"{[type(m).__name__ for m in model] if listed and model else type(model).__name__}")
     plans = [_plan(part, dense_state, dense_cfg) for part in parts]  # every check first: a refusal leaves the model as it was
     for part, (g, plan) in zip(parts, plans):
         cfg = part.cfg

@@ -4,6 +4,8 @@ slices (g = 2, 4), softmax, sigmoid and sqrt(softplus) routing, group-limited ro
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -280,6 +282,20 @@ def test_a_dense_model_with_hyper_connections_upcycles_to_its_own_function():
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_upcycle_names_a_bad_model_or_seed():
+    """seed: an int, as reset_parameters takes it ("a" and 1.5 were taken); model: a
+    Transformer or a list of its parts ([] did nothing, a module of another kind failed in
+    an AttributeError)."""
+    dense = _dense_model().state_dict()
+    for seed in ("a", 1.5, None, True):
+        with pytest.raises(ValueError, match=rf"^seed: expected an int \(the seed the model was initialised with\), got {re.escape(repr(seed))}"):
+            upcycle_(Transformer(_moe()), dense, DENSE, seed=seed)
+    for model, got in (([], "list"), (torch.nn.Linear(2, 2), "Linear"), ([Transformer(_moe()), torch.nn.Linear(2, 2)], r"\['Transformer', 'Linear'\]"),
+                       ("model", "str")):
+        with pytest.raises(ValueError, match=rf"^model: expected a fmoe.model.Transformer or a sequence of its pipeline chunks, got {got}"):
+            upcycle_(model, dense, DENSE)
+
+
 def test_a_refusal_leaves_the_model_as_it_was():
     """Every check comes before the first write: a refusal of the pair's configs, of a dense
     tensor that is missing, of another shape or not a tensor (among the last upcycle_ reads:
@@ -290,7 +306,9 @@ def test_a_refusal_leaves_the_model_as_it_was():
     for name, whose in (("mtp.0.block.mlp_norm.weight", ""), ("mtp.0.block.mlp.w_down", " to upcycle")):
         bad += [(_moe(), {k: v for k, v in dense.items() if k != name}, f"dense_state: no {name!r}{whose}"),
                 (_moe(), {**dense, name: torch.zeros(3)}, f"dense_state: {name!r} has shape \\(3,\\)"),
-                (_moe(), {**dense, name: dense[name].numpy()}, f"dense_state: {name!r} is a ndarray, expected a tensor")]
+                (_moe(), {**dense, name: dense[name].numpy()}, f"dense_state: {name!r} is a ndarray, expected a tensor"),
+                # a tensor on the meta device (a dense model built there, never loaded): the model was half written, then torch failed
+                (_moe(), {**dense, name: dense[name].to("meta")}, f"dense_state: {name!r} is a meta tensor holding no values")]
     for cfg, state, message in bad:
         parts = [Transformer(_moe()), Transformer(cfg)]  # the first part passes its own checks
         for part in parts:
