@@ -388,6 +388,10 @@ def start(description: str, add_arguments=None):
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
+    try:  # made now: a file in the way failed as the CSV was written, after every timing and before the table
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--out: expected a directory for the CSV, got {args.out!r} ({err.strerror})")
     device = bench_device(args.smoke)
     if args.profile:
         _PROFILE.update(dir=Path(args.out) / "profile", labels={})

@@ -631,3 +631,13 @@ def test_run_all_s_smoke_results_stay_out_of_the_record():
     assert smoke == ROOT / "bench_out" / "RESULTS-smoke.md"
     ignored = subprocess.run(["git", "check-ignore", "-q", str(smoke)], cwd=ROOT, capture_output=True)
     assert ignored.returncode == 0 or not (ROOT / ".git").exists()
+
+
+def test_a_benchmark_refuses_an_out_it_cannot_write_before_timing(tmp_path):
+    """--out naming a file: refused at the start (it failed with FileExistsError as the CSV
+    was written, after every timing, and the table was never printed)."""
+    (tmp_path / "taken").write_text("")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rope.py"), "--smoke", "--out", str(tmp_path / "taken")],
+                          capture_output=True, text=True, env=_script_env(), timeout=120)
+    assert done.returncode == 2 and f"--out: expected a directory for the CSV, got {str(tmp_path / 'taken')!r}" in done.stderr
+    assert "device:" not in done.stdout  # before the device, the bandwidth and any timing
