@@ -441,6 +441,10 @@ def _checkpoint_or_newest(path) -> Path:
             return newest
         if any(path.glob("step_*")):  # a run whose saves were all interrupted (step_N.tmp) or emptied
             raise FileNotFoundError(f"path: {str(path)!r} holds no complete checkpoint (a step_N folder with its .metadata)")
+        if (path / "config.json").is_file():  # a run's folder before its first save
+            raise FileNotFoundError(f"path: {str(path)!r} is a run that has saved no checkpoint yet (no step_N folder beside its config.json)")
+    if path.is_file():
+        raise FileNotFoundError(f"path: {str(path)!r} is a file; expected a run's folder or one of its step_N checkpoint folders")
     return _checkpoint_dir(path)
 
 

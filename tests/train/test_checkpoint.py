@@ -450,6 +450,13 @@ def test_load_model_takes_the_weights_only(tmp_path):
     (tmp_path / "empty" / "step_000003.tmp").mkdir()  # a run whose one save was cut: the run holds none, not "is not one"
     with pytest.raises(FileNotFoundError, match=r"path: '.*empty' holds no complete checkpoint \(a step_N folder with its .metadata\)"):
         ckpt.load_model(tmp_path / "empty", model=fresh)
+    # a run before its first save, and its config.json itself: said so ("is not a complete checkpoint (no .metadata)" before)
+    (tmp_path / "started").mkdir()
+    (tmp_path / "started" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"^path: '.*started' is a run that has saved no checkpoint yet \(no step_N folder beside"):
+        ckpt.load_model(tmp_path / "started", model=fresh)
+    with pytest.raises(FileNotFoundError, match=r"^path: '.*config.json' is a file; expected a run's folder or one of its step_N"):
+        ckpt.load_model(tmp_path / "started" / "config.json", model=fresh)
 
 
 def test_a_model_of_other_knobs_is_refused_by_name_before_anything_is_read(tmp_path):
