@@ -153,7 +153,10 @@ class MoEConfig:
     """How a MoE block routes and computes (the tensors live in params).
 
     n_experts, k: E experts, k per token. score, pre_softmax, n_groups, topk_groups, scale,
-    group_score_topk, normalize: as fmoe.ops.route; score "sparsemixer": Phi-3.5-MoE's
+    group_score_topk, normalize: as fmoe.ops.route (k = 1 with the default softmax over the
+    chosen logits: every weight 1.0 and no gradient to the router from the output, as
+    Switch-style top-1 checkpoints define it; pre_softmax=True trains the router through
+    its weight; SPEC.md 1 called this a ValueError); score "sparsemixer": Phi-3.5-MoE's
     top-2 (fmoe.ops.sparsemixer_route; k = 2, none of route's other knobs) with its gap
     sparsemixer_eps, the aux scores softmax's. capacity_factor: drop slots past ceil(T k / E * factor) per expert,
     T the tokens of the micro-batch moe() is given (one data-parallel rank's, as in Megatron: a
@@ -3704,7 +3707,7 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
         o = split.selective_scan(u[None], dt[None], A, bk[None], cq[None], cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     else:  # the scan kernels on CUDA (fmoe.ops.selective_scan), its chunked form elsewhere
         view = lambda t: t.reshape(B, T // B, t.shape[-1])  # noqa: E731  (not -1: T = 0 leaves it undefined)
-        o = selective_scan(view(u), view(dt), A, view(bk), view(cq), cu, chunk_size=cfg.chunk_size, impl=cfg.impl,
+        o = selective_scan(view(u), view(dt), A, view(bk), view(cq), cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False,
                            initial_state=None if states is None else states.state[..., 0], final_state=states is not None)
         if states is not None:
             o, states.state = o[0], o[1][..., None]
@@ -3722,8 +3725,8 @@ def _without_delta(q, k, v, g, cfg: LinearAttentionConfig, cu, split, states) ->
             raise ValueError(f"ctx.linear_cp: {cfg.kind} needs its gated_linear_attention (fmoe.parallel.ContextParallel), "
                              f"got {type(split).__name__} without it")
         return split.gated_linear_attention(q, k, v, g, cu, **kw)
-    if states is None:
-        return gated_linear_attention(q, k, v, g, cu, **kw)
+    if states is None:  # the context's cu_seqlens: make_batch checked them (no host read here)
+        return gated_linear_attention(q, k, v, g, cu, check=False, **kw)
     o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
     return o
 
@@ -3945,7 +3948,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     if split is not None:
         o = split.gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     elif states is None:
-        o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
+        o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False)  # cu: checked by make_batch
     else:
         o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size,
                                            impl=cfg.impl)

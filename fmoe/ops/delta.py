@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_float, check_positive_int, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state
 from fmoe.ops.packed import sequence_ids
 
 
@@ -89,9 +89,10 @@ def _documents(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> to
     return sequence_ids(cu_seqlens.to(device), T)[None].expand(B, T)
 
 
-def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
-    """Shapes, dtypes and devices (no value is read); returns the scale. beta None: the
-    linear attention without the delta rule (gated_linear_attention)."""
+def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, *, check: bool = False) -> float:
+    """Shapes, dtypes and devices; with check also cu_seqlens' values (one device->host
+    sync: fmoe.ops.checks.check_cu_seqlens); returns the scale. beta None: the linear
+    attention without the delta rule (gated_linear_attention)."""
     check_float("q", q, 4, "[B, T, N, Dk]")
     check_float("v", v, 4, "[B, T, N, Dv]")
     B, T, N, Dk = q.shape
@@ -105,6 +106,8 @@ def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> flo
         if x.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {x.device}")
     check_rows_and_state(cu_seqlens, B, initial_state, (B, N, Dk, v.shape[-1]), "[B, N, Dk, Dv]", q.device)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, T, check=check, like=("q", q))
     if scale is None:
         return Dk ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
@@ -112,17 +115,18 @@ def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> flo
     return float(scale)
 
 
-def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False):
+def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False,
+                          check: bool = True):
     """The gated delta rule token by token (module docstring): the definition the chunked
     form is tested against, and the cheapest form for a token or two (decoding). Same
     arguments and results as gated_delta_rule."""
     check_float("beta", beta, 3, "[B, T, N]")
-    return _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state)
+    return _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state, check)
 
 
-def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool):
+def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, check: bool = True):
     """gated_delta_rule_loop, or gated_linear_attention_loop with beta None."""
-    scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, check=check)
     check_bools(final_state=final_state)
     B, T, N, Dk = q.shape
     Dv = v.shape[-1]
@@ -392,7 +396,7 @@ def _pair_sums(x, k, gamma):
 
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False,
-                     chunk_size: int = 64, impl: str = "auto"):
+                     chunk_size: int = 64, impl: str = "auto", check: bool = True):
     """The gated delta rule over packed documents, in chunks (module docstring).
 
     Args:
@@ -402,7 +406,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         beta: [B, T, N] each token's write strength (in [0, 1]: a sigmoid; in [0, 2]:
             twice one, OLMo Hybrid's negative eigenvalues).
         cu_seqlens: None (each batch row one document), or [n + 1] int document bounds
-            0 ... T of the packed documents of the one row (B = 1); values not read.
+            0 ... T of the packed documents of the one row (B = 1).
         scale: the queries' scale (None: 1/sqrt(Dk)).
         initial_state: None (zeros), or [B, N, Dk, Dv]: the state before row b's first token.
         final_state: also return the state after each row's last token, [B, N, Dk, Dv] float32.
@@ -411,6 +415,10 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
             same up to float32 rounding.
         impl: "auto" (the states' Triton kernels on CUDA, torch elsewhere), "triton" or
             "torch" (fmoe.ops.backend.use_triton); the rest is torch on every device.
+        check: read cu_seqlens (one device->host sync, skipped under torch.compile) and raise
+            a ValueError unless it starts at 0, never decreases and ends at T (bounds that
+            did not gave the rule over no valid packing); False trusts them (fmoe's layers:
+            make_batch checked the batch's).
     Returns:
         o [B, T, N, Dv] in v's dtype, and with final_state the state [B, N, Dk, Dv] float32.
 
@@ -418,11 +426,11 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
     """
     if not isinstance(beta, torch.Tensor):  # None would run gated_linear_attention's rule; a tensor is checked after q
         check_float("beta", beta, 3, "[B, T, N]")
-    return _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state, chunk_size, impl)
+    return _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state, chunk_size, impl, check)
 
 
 def gated_linear_attention(q, k, v, g, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False,
-                           chunk_size: int = 64, impl: str = "auto"):
+                           chunk_size: int = 64, impl: str = "auto", check: bool = True):
     """Gated linear attention over packed documents, in chunks: the gated delta rule without
     the rule (module docstring), S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
     Mamba-2's SSD (q = C, k = B, v = x dt, g = A dt), MiniMax's lightning attention (g a
@@ -431,18 +439,19 @@ def gated_linear_attention(q, k, v, g, cu_seqlens=None, *, scale=None, initial_s
 
     Example: o = gated_linear_attention(q, k, v, -slope.expand(1, T, N), cu_seqlens, scale=1.0)
     """
-    return _chunked(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state, chunk_size, impl)
+    return _chunked(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state, chunk_size, impl, check)
 
 
-def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False):
+def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False,
+                                check: bool = True):
     """gated_linear_attention token by token (gated_delta_rule_loop without the rule): its
     definition, and the cheapest form for a token or two."""
-    return _loop(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state)
+    return _loop(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state, check)
 
 
-def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str):
+def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str, check: bool = True):
     """gated_delta_rule (beta [B, T, N]) or gated_linear_attention (beta None: u = v, no solve)."""
-    scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, check=check)
     check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)
     B, T, N, Dk = q.shape

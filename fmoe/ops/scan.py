@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_float, check_positive_int, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state
 from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
 from fmoe.ops.packed import sequence_ids
 
@@ -233,7 +233,8 @@ def _scan_backward(ctx, grads):
 _scan_kernel.register_autograd(_scan_backward, setup_context=_scan_setup_context)
 
 
-def check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state) -> None:
+def check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, *, check: bool = False) -> None:
+    """Shapes, dtypes and devices; with check also cu_seqlens' values (one device->host sync)."""
     check_float("u", u, 3, "[B, T, C]")
     check_float("A", A, 2, "[C, N]")
     B, T, C = u.shape
@@ -244,6 +245,8 @@ def check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state) -> None:
         if tuple(x.shape) != expected[name] or x.device != u.device:
             raise ValueError(f"{name}: expected {list(expected[name])} (of u's B, T, C and A's N) on {u.device}, got {list(x.shape)} on {x.device}")
     check_rows_and_state(cu_seqlens, B, initial_state, (B, C, N), "[B, C, N]", u.device)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, T, check=check, like=("u", u))
 
 
 def _as_linear_attention(u, dt, A, b, c):
@@ -256,7 +259,7 @@ def _as_linear_attention(u, dt, A, b, c):
 
 
 def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False, chunk_size: int = 64,
-                   impl: str = "auto"):
+                   impl: str = "auto", check: bool = True):
     """Mamba-1's selective scan over packed documents (module docstring).
 
     Args:
@@ -265,17 +268,20 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
         A: [C, N] the continuous decay rates (<= 0: Mamba's -exp(A_log)).
         b, c: [B, T, N] the state's write and read vectors, shared by every channel.
         cu_seqlens: None (each batch row one document), or [n + 1] int document bounds 0 ... T
-            of the packed documents of the one row (B = 1); values not read on the host.
+            of the packed documents of the one row (B = 1).
         initial_state: None (zeros), or [B, C, N]: the state before row b's first token.
         final_state: also return the state after each row's last token, [B, C, N] float32.
         chunk_size: the torch path's chunk (fmoe.ops.gated_linear_attention's).
         impl: "auto" (the scan kernels on CUDA, torch elsewhere), "triton" or "torch".
+        check: read cu_seqlens (one device->host sync, skipped under torch.compile): a
+            ValueError unless it starts at 0, never decreases and ends at T; False trusts them
+            (fmoe's layers: make_batch checked the batch's).
     Returns:
         y [B, T, C] float32, and with final_state the state [B, C, N] float32.
 
     Example: y = selective_scan(x * dt, dt, -A_log.exp(), b, c, cu_seqlens) + D * x
     """
-    check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state)
+    check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, check=check)
     check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)  # the torch path's, checked on every path (CUDA's "auto" runs the kernel)
     B, T, C = u.shape
@@ -286,14 +292,15 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
         return (y, hT) if final_state else y
     state = None if initial_state is None else initial_state[..., None]
     out = gated_linear_attention(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state,
-                                 chunk_size=chunk_size, impl=impl)
+                                 chunk_size=chunk_size, impl=impl, check=False)  # checked above
     return (out[0][..., 0], out[1][..., 0]) if final_state else out[..., 0]
 
 
-def selective_scan_loop(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False):
+def selective_scan_loop(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False, check: bool = True):
     """selective_scan token by token (gated_linear_attention_loop's form): its definition."""
-    check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state)
+    check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, check=check)
     check_bools(final_state=final_state)
     state = None if initial_state is None else initial_state.float()[..., None]
-    out = gated_linear_attention_loop(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state)
+    out = gated_linear_attention_loop(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state,
+                                      check=False)  # checked above
     return (out[0][..., 0], out[1][..., 0]) if final_state else out[..., 0]

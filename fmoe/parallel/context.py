@@ -395,13 +395,15 @@ def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_
     local = [(cu - chunk * L).clamp(0, L) for chunk in chunks]  # each chunk's document bounds
     ends = []
     for chunk, r, bounds in zip(chunks, rows, local):
-        _, end = selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, final_state=True, chunk_size=chunk_size, impl=impl)
+        _, end = selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, final_state=True, chunk_size=chunk_size, impl=impl,
+                                check=False)
         inside = ((cu > chunk * L) & (cu < (chunk + 1) * L)).any()  # a document starts inside: the end forgets the start
         decay = torch.where(inside, 0.0, (dt[0, r].float().sum(0)[:, None] * A.float()).exp())  # [C, N]
         ends.append(torch.stack([end[0], decay]))
     every = (torch.stack(ends) if cp == 1 else _gather(torch.stack(ends), cp_mesh))[_chunk_rows(cp)]  # [2 cp, 2, C, N] chunk order
     starts = _start_states(cu, L, cp, rank, torch.zeros_like(every[0, 0]), lambda chunk, state: every[chunk, 0] + every[chunk, 1] * state)
-    y = [selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, initial_state=starts[chunk][None], chunk_size=chunk_size, impl=impl)
+    y = [selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, initial_state=starts[chunk][None], chunk_size=chunk_size, impl=impl,
+                        check=False)
          for chunk, r, bounds in zip(chunks, rows, local)]
     return torch.cat(y, 1)
 
@@ -420,7 +422,7 @@ def _rule_chunks(q, k, v, g, beta, cu_seqlens, cp: int, rank: int, **kwargs):
         v_wide = torch.cat([v[:, rows].float(), v.new_zeros(1, L, N, Dk, dtype=torch.float32)], -1)
         rule = () if beta is None else (beta[:, rows],)  # beta None: no delta rule (gated_linear_attention)
         o, end = (gated_delta_rule if rule else gated_linear_attention)(q[:, rows], k[:, rows], v_wide, g[:, rows], *rule, (cu - chunk * L).clamp(0, L),
-                                                                      initial_state=start_from, final_state=True, **kwargs)
+                                                                      initial_state=start_from, final_state=True, check=False, **kwargs)
         outs.append(o)
         ends.append(end[0])
     return outs, torch.stack(ends)

@@ -198,12 +198,36 @@ def test_dtypes_and_scale():
 
 
 def test_reads_nothing_on_the_host():
+    """With check=False (fmoe's layers: make_batch checked the batch's bounds) nothing is read
+    on the host; the default check reads cu_seqlens (check_cu_seqlens) and nothing else."""
     xs = _inputs(1, 30, 2, 8, 4, requires_grad=True)
     cu = torch.tensor([0, 7, 30])
     with HostReads() as reads:
-        o, s = gated_delta_rule(*xs, cu, final_state=True, chunk_size=8)
+        o, s = gated_delta_rule(*xs, cu, final_state=True, chunk_size=8, check=False)
         torch.autograd.backward([o, s], [torch.randn_like(o), torch.randn_like(s)])
     assert reads.count == 0, reads.sites
+    with HostReads() as reads:
+        gated_delta_rule(*xs, cu, chunk_size=8)
+    assert reads.count and all("ops/checks.py" in site for site in reads.sites), reads.sites  # check_cu_seqlens's read alone
+
+
+@pytest.mark.parametrize("rule", [True, False], ids=["delta rule", "linear attention"])
+@pytest.mark.parametrize("bounds", [[1, 3, 6], [0, 4, 2, 6], [0, 3, 5]], ids=["not from 0", "decreasing", "short of T"])
+def test_bounds_that_pack_no_documents_are_refused(rule, bounds):
+    """cu_seqlens' values are read (check=True, the default): bounds not from 0, going down or
+    ending before T gave the rule over no valid packing (2.69 off the right bounds' output), and
+    a meta tensor failed in torch's copy. check=False trusts them, reading nothing."""
+    q, k, v, g, beta = _inputs(1, 6, 2, 8, 4)
+    rest = (beta,) if rule else ()
+    run = gated_delta_rule if rule else gated_linear_attention
+    loop = gated_delta_rule_loop if rule else gated_linear_attention_loop
+    cu = torch.tensor(bounds)
+    for fn in (run, loop):
+        with pytest.raises(ValueError, match=r"^cu_seqlens: must (start at 0|be non-decreasing|end at the token count 6)"):
+            fn(q, k, v, g, *rest, cu)
+        with pytest.raises(ValueError, match=r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of q \(cpu\)"):
+            fn(q, k, v, g, *rest, torch.tensor([0, 6], device="meta"))
+    assert run(q, k, v, g, *rest, cu, check=False).shape == (1, 6, 2, 4)
 
 
 @pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
@@ -415,7 +439,7 @@ def test_linear_attention_reads_nothing_on_the_host_and_compiles_whole():
     q, k, v, g, _ = _inputs(1, 24, 2, 8, 4, seed=22, requires_grad=True)
     xs, cu = [q, k, v, g], torch.tensor([0, 7, 24])
     with HostReads() as reads:
-        o, s = gated_linear_attention(*xs, cu, final_state=True, chunk_size=8)
+        o, s = gated_linear_attention(*xs, cu, final_state=True, chunk_size=8, check=False)
         torch.autograd.backward([o, s], [torch.randn_like(o), torch.randn_like(s)])
     assert reads.count == 0, reads.sites
 

@@ -131,6 +131,11 @@ def test_the_kernels_pass_opcheck_and_compile():
     (lambda a: dict({k: v.expand(2, *v.shape[1:]) if k != "A" else v for k, v in a.items()}, cu_seqlens=torch.tensor([0, 6])),
      r"cu_seqlens: packed documents need one batch row \(B = 1\), got B = 2"),
     (lambda a: dict(a, cu_seqlens=torch.tensor([], dtype=torch.long)), r"cu_seqlens: expected at least 2 entries \[0, ..., T\], got 0"),
+    # bounds that pack no documents (the scan ran over them, reading nothing), and on the meta device (torch's copy failed)
+    (lambda a: dict(a, cu_seqlens=torch.tensor([1, 3, 6])), r"^cu_seqlens: must start at 0, starts at 1"),
+    (lambda a: dict(a, cu_seqlens=torch.tensor([0, 4, 2, 6])), r"^cu_seqlens: must be non-decreasing"),
+    (lambda a: dict(a, cu_seqlens=torch.tensor([0, 3, 5]), impl="triton"), r"^cu_seqlens: must end at the token count 6, ends at 5"),
+    (lambda a: dict(a, cu_seqlens=torch.tensor([0, 6], device="meta")), r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of u"),
     (lambda a: dict(a, initial_state=torch.zeros(1, 4, 2)), r"initial_state: expected \[1, 4, 3\]"),
     (lambda a: dict(a, impl="cuda"), r"impl: expected one of \('auto', 'triton', 'torch'\), got 'cuda'"),
     # the torch path's chunk, checked on the kernels' path too (CUDA's "auto" took '8' and 0)
