@@ -87,7 +87,7 @@ def run_layout(name: str, T: int, cu_list: list, N: int, D: int, device, dtype, 
     with torch.no_grad():
         whole = gated_delta_rule(*inputs, cu, chunk_size=CHUNK)
     shares = {1: [(torch.arange(T, device=device), [t.detach().requires_grad_() for t in inputs],
-                   lambda *xs: gated_delta_rule(*xs, cu, chunk_size=CHUNK))]}
+                   lambda *xs: gated_delta_rule(*xs, cu, chunk_size=CHUNK, check=False))]}  # no host read of cu in the timing
     for cp in CPS[1:]:
         shares[cp] = [rank_share(inputs, cu, cp, r) for r in range(cp)]
         with torch.no_grad():

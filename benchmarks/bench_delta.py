@@ -106,7 +106,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
 
     def rule(impl):
         op = gated_delta_rule if case.rule else gated_linear_attention
-        return lambda *xs: op(*xs, cu, chunk_size=CHUNK, impl=impl)
+        return lambda *xs: op(*xs, cu, chunk_size=CHUNK, impl=impl, check=False)  # no host read of cu in the timing
 
     impls = {"fused": rule("triton"), "eager": rule("torch"), "compiled": torch.compile(rule("torch"), dynamic=False)}
     outs = {}
