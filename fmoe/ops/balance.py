@@ -506,7 +506,8 @@ def update_expert_bias(
     the actual routing's, summed over every rank and micro-batch of the optimizer step.
     SPEC 2's actual routing is after the capacity drop (tokens_per_expert of fmoe.layers.moe):
     with a capacity_factor the experts at capacity count alike, so a layer that drops many
-    slots can look balanced and its bias move little (Megatron Core counts before the drop).
+    slots can look balanced and its bias move little. Megatron Core counts the same slots
+    (TopKRouter.routing: its routing map after apply_router_token_dropping), with equal updates.
     center=True subtracts the mean of the update. proportional=True steps by the relative
     error instead of its sign, rate * (mean - counts) / mean: large steps far from balance,
     small ones near it (a proportional controller, where the sign rule always steps by

@@ -412,7 +412,11 @@ def global_load_balancing_loss(
     parallel group. With equal shares (T_r = N / R) value_r = (E sum_e f_e P_e^(r)) / R:
     the sum is the mean over ranks of the paper's LBL_global with the local P_e^(r).
     (Megatron's global aux loss has the same values, but its data-parallel gradient
-    reduction averages: at one coefficient its gradient is 1/R of this one's.)
+    reduction averages: at one coefficient its gradient is 1/R of this one's. Where the
+    micro-batches hold different numbers of valid tokens (padding), Megatron divides the
+    running counts by the current micro-batch's tokens, and its loss under perfect balance
+    is then no longer 1: 1.5 for a micro-batch of 4 tokens after one of 8; here f sums to 1,
+    SPEC.md 2's value.)
 
     Micro-batches: keep running counts C_m over micro-batches 1..m (all ranks) and their
     token total N_m; at micro-batch m pass global_counts=C_m, n_tokens=N_m and
