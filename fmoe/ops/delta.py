@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state, checking
 from fmoe.ops.packed import sequence_ids
 
 
@@ -90,8 +90,8 @@ def _documents(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> to
 
 
 def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, *, check: bool = False) -> float:
-    """Shapes, dtypes and devices; with check also cu_seqlens' values (one device->host
-    sync: fmoe.ops.checks.check_cu_seqlens); returns the scale. beta None: the linear
+    """Shapes, dtypes and devices; with check also cu_seqlens' values and g <= 0 (a
+    device->host sync each: fmoe.ops.checks.check_cu_seqlens); returns the scale. beta None: the linear
     attention without the delta rule (gated_linear_attention)."""
     check_float("q", q, 4, "[B, T, N, Dk]")
     check_float("v", v, 4, "[B, T, N, Dv]")
@@ -108,6 +108,9 @@ def check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, *, che
     check_rows_and_state(cu_seqlens, B, initial_state, (B, N, Dk, v.shape[-1]), "[B, N, Dk, Dv]", q.device)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, T, check=check, like=("q", q))
+    if checking(check, g) and g.numel() and (top := float(g.detach().max())) > 0:  # NaN passes: the rule's own result shows it
+        raise ValueError(f"g: expected the log of each token's decay of the state, <= 0 (above 0 the state grows without bound), "
+                         f"got a largest value of {top:g}")
     if scale is None:
         return Dk ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
@@ -415,10 +418,10 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
             same up to float32 rounding.
         impl: "auto" (the states' Triton kernels on CUDA, torch elsewhere), "triton" or
             "torch" (fmoe.ops.backend.use_triton); the rest is torch on every device.
-        check: read cu_seqlens (one device->host sync, skipped under torch.compile) and raise
-            a ValueError unless it starts at 0, never decreases and ends at T (bounds that
-            did not gave the rule over no valid packing); False trusts them (fmoe's layers:
-            make_batch checked the batch's).
+        check: read cu_seqlens and g's largest value (a device->host sync each, skipped
+            under torch.compile) and raise a ValueError unless the bounds start at 0, never
+            decrease and end at T (others gave the rule over no valid packing) and g <= 0;
+            False trusts them (fmoe's layers: make_batch checked the batch's bounds).
     Returns:
         o [B, T, N, Dv] in v's dtype, and with final_state the state [B, N, Dk, Dv] float32.
 

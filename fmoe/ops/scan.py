@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state, checking
 from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
 from fmoe.ops.packed import sequence_ids
 
@@ -234,7 +234,8 @@ _scan_kernel.register_autograd(_scan_backward, setup_context=_scan_setup_context
 
 
 def check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, *, check: bool = False) -> None:
-    """Shapes, dtypes and devices; with check also cu_seqlens' values (one device->host sync)."""
+    """Shapes, dtypes and devices; with check also cu_seqlens' values, A <= 0 and dt >= 0 (a
+    device->host sync each)."""
     check_float("u", u, 3, "[B, T, C]")
     check_float("A", A, 2, "[C, N]")
     B, T, C = u.shape
@@ -247,6 +248,9 @@ def check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, *, check: bool 
     check_rows_and_state(cu_seqlens, B, initial_state, (B, C, N), "[B, C, N]", u.device)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, T, check=check, like=("u", u))
+    for name, x, sign, why in (("A", A, 1, "<= 0 (a positive rate grows the state without bound)"), ("dt", dt, -1, ">= 0 (softplus's)")):
+        if checking(check, x) and x.numel() and (worst := float((sign * x.detach()).max())) > 0:  # NaN passes: the scan's result shows it
+            raise ValueError(f"{name}: expected {why}, got {sign * worst:g}")
 
 
 def _as_linear_attention(u, dt, A, b, c):
@@ -273,9 +277,10 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
         final_state: also return the state after each row's last token, [B, C, N] float32.
         chunk_size: the torch path's chunk (fmoe.ops.gated_linear_attention's).
         impl: "auto" (the scan kernels on CUDA, torch elsewhere), "triton" or "torch".
-        check: read cu_seqlens (one device->host sync, skipped under torch.compile): a
-            ValueError unless it starts at 0, never decreases and ends at T; False trusts them
-            (fmoe's layers: make_batch checked the batch's).
+        check: read cu_seqlens, A's largest and dt's smallest value (a device->host sync
+            each, skipped under torch.compile): a ValueError unless the bounds start at 0,
+            never decrease and end at T, A <= 0 and dt >= 0; False trusts them (fmoe's
+            layers: make_batch checked the batch's bounds).
     Returns:
         y [B, T, C] float32, and with final_state the state [B, C, N] float32.
 

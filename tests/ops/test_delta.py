@@ -199,7 +199,7 @@ def test_dtypes_and_scale():
 
 def test_reads_nothing_on_the_host():
     """With check=False (fmoe's layers: make_batch checked the batch's bounds) nothing is read
-    on the host; the default check reads cu_seqlens (check_cu_seqlens) and nothing else."""
+    on the host; the default check reads cu_seqlens and g's largest value."""
     xs = _inputs(1, 30, 2, 8, 4, requires_grad=True)
     cu = torch.tensor([0, 7, 30])
     with HostReads() as reads:
@@ -208,7 +208,7 @@ def test_reads_nothing_on_the_host():
     assert reads.count == 0, reads.sites
     with HostReads() as reads:
         gated_delta_rule(*xs, cu, chunk_size=8)
-    assert reads.count and all("ops/checks.py" in site for site in reads.sites), reads.sites  # check_cu_seqlens's read alone
+    assert reads.count, "the default check reads cu_seqlens and g"
 
 
 @pytest.mark.parametrize("rule", [True, False], ids=["delta rule", "linear attention"])
@@ -228,6 +228,13 @@ def test_bounds_that_pack_no_documents_are_refused(rule, bounds):
         with pytest.raises(ValueError, match=r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of q \(cpu\)"):
             fn(q, k, v, g, *rest, torch.tensor([0, 6], device="meta"))
     assert run(q, k, v, g, *rest, cu, check=False).shape == (1, 6, 2, 4)
+    # a decay past 1 (g > 0, documented <= 0): the state grows without bound
+    up = g.clone()
+    up[0, 3, 1] = 0.5
+    for fn in (run, loop):
+        with pytest.raises(ValueError, match=r"^g: expected the log of each token's decay of the state, <= 0 .*got a largest value of 0.5"):
+            fn(q, k, v, up, *rest)
+    assert run(q, k, v, up, *rest, check=False).isfinite().all()
 
 
 @pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
