@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import ieee_dot, next_pow2, use_triton
-from fmoe.ops.checks import check_device, check_float, check_index, checking
+from fmoe.ops.checks import check_bools, check_device, check_float, check_index, checking
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference
@@ -508,6 +508,7 @@ def _check_inputs(q, kv, index) -> tuple[int, int, int]:
 
 def _check_keys(index: torch.Tensor, S: int, check: bool) -> None:
     """index's values in -1 .. S-1 (one device->host sync), where checking(check)."""
+    check_bools(check=check)  # "no" ran the check
     if checking(check, index) and index.numel():
         lo, hi = int(index.min()), int(index.max())
         if lo < -1 or hi >= S:

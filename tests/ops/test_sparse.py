@@ -216,10 +216,11 @@ def test_bad_inputs():
         (dict(v_dim=9), "v_dim: expected an int in 1 .. D = 8"),
         (dict(scale=0.0), "scale: expected a positive number"),
         (dict(impl="cuda"), "impl: expected one of"),
+        (dict(check="no"), "check: expected a bool, got 'no'"),  # it ran the check
     ]
     for change, message in cases:
         args = dict(q=q, kv=kv, index=index) | change
-        kw = {k: args.pop(k) for k in ("v_dim", "scale", "impl") if k in args}
+        kw = {k: args.pop(k) for k in ("v_dim", "scale", "impl", "check") if k in args}
         with pytest.raises(ValueError, match=message):
             sparse_attention(args["q"], args["kv"], args["index"], **kw)
     # check=False reads no value on the host: tests/ops/test_checks.py
