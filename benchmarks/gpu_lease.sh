@@ -48,6 +48,7 @@ if ! python3 -c "import tensordict" 2>/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+rm -f bench_out/profile/*.txt  # a warm machine keeps an earlier part's ops tables: only this part's come back
 
 budget=${BUDGET:-540}
 start=$SECONDS

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -597,15 +598,23 @@ def test_a_lease_part_stops_starting_steps_at_its_budget(tmp_path):
         (stubs / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}")
 
+    work = tmp_path / "checkout"  # the script's working directory (a repository root): nothing of this checkout is touched
+    (work / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "gpu_lease.sh", work / "benchmarks")
+
     def run(part, budget):
         calls.write_text("")
         out = tmp_path / f"out_{part}_{budget}"
-        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), part], cwd=ROOT, env=dict(env, OUT=str(out), BUDGET=str(budget)),
+        done = subprocess.run(["bash", "benchmarks/gpu_lease.sh", part], cwd=work, env=dict(env, OUT=str(out), BUDGET=str(budget)),
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout, calls.read_text().splitlines()
 
+    stale = work / "bench_out" / "profile" / "bench_stale.txt"  # a warm machine's ops table of an earlier part
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("old")
     stdout, made = run("v", 540)
+    assert not stale.exists() and not (tmp_path / "out_v_540" / stale.name).exists()
     benches = [c for c in made if "benchmarks/run_all.py" in c]
     assert [c.split("--only ")[1] for c in benches] == ["bench_activation_memory --timeout 120", "bench_rope --timeout 50",
                                                         "bench_scan --timeout 120"]
