@@ -68,6 +68,15 @@ bench() {  # run_all.py's sections appended to $OUT/RESULTS.md, its own output t
     python3 benchmarks/run_all.py --results "$OUT/RESULTS.md" "${args[@]}" >> "$OUT/log.txt" 2>&1
 }
 
+every_gpu_test() {  # every gpu test, 6 workers, within 240 s of what is left (72 took 240 s in part s)
+    nvidia-smi -L
+    timeout -k 5 "$(left 240)" python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $? at $((SECONDS - start)) s"
+    pkill -9 -f "pytest" 2>/dev/null  # the workers a timeout leaves behind hold GPU memory
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+}
+
 case "${1:-}" in
 a)
     # 4 workers: the compiles are CPU-bound; 8 ran one test out of GPU memory
@@ -248,12 +257,7 @@ s)
     budget=${S_BUDGET:-560}
     start=$SECONDS
     left() { local l=$((budget - (SECONDS - start))); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
-    nvidia-smi -L
-    timeout -k 5 "$(left 240)" python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
-        > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests: exit $? at $((SECONDS - start)) s"
-    pkill -9 -f "pytest" 2>/dev/null
-    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+    every_gpu_test
     for b in bench_moe_layer:60 bench_loss:50 bench_rope:50 bench_optim:40 bench_moa:100 bench_block_sparse:100; do
         t=$(left "${b#*:}")
         [ "$t" -lt 20 ] && { echo "${b%%:*}: not run, $t s left"; continue; }
@@ -356,12 +360,7 @@ v)
     # float mask is made once per context, the sinks' scores recomputed; the scan's and RoPE's int64 offsets. Every
     # gpu test (72 took 240 s with 6 workers in part s; the new ones: test_scan's and test_rope's past-int32 views),
     # then the activation memory (its none / full / attention / experts rows), RoPE and the scan
-    nvidia-smi -L
-    timeout -k 5 "$(left 240)" python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
-        > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests: exit $? at $((SECONDS - start)) s"
-    pkill -9 -f "pytest" 2>/dev/null
-    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+    every_gpu_test
     for b in bench_activation_memory:120 bench_rope:50 bench_scan:120; do
         bench --only "${b%%:*}" --timeout "${b#*:}"
         echo "${b%%:*}: done at $((SECONDS - start)) s"
