@@ -927,7 +927,7 @@ class AttentionConfig:
     rotated back at its query's position (the layer's RoPE tables with the sine negated: the
     inverse rotation, with scaled tables, YaRN's or LongRoPE's, that scale once more, as
     DeepSeek-V4's code does), so what a key gives through its value turns with the distance
-    from the query alone. Grouped-query attention only; not with k_eq_v, v_dim, v_norm, a
+    from the query alone. Grouped-query attention only; not with k_eq_v, v_dim, v_norm, v_scale, a
     mixture of attention heads or block-sparse attention. With one kv head, a dense mask and
     a window or compressed entries (DeepSeek-V4's layers), where Triton runs (impl "auto" on
     CUDA, "triton") each query attends to the keys of its window and the entries it sees (or
@@ -1308,7 +1308,8 @@ class AttentionConfig:
         if not self.kv_shared:
             return
         taken = dict(k_eq_v=self.k_eq_v, v_dim=self.v_dim is not None, v_norm=self.v_norm, kv_rank=self.kv_rank is not None,
-                     moa_experts=self.moa_experts is not None, index_topk_blocks=self.index_topk_blocks is not None)
+                     moa_experts=self.moa_experts is not None, index_topk_blocks=self.index_topk_blocks is not None,
+                     v_scale=self.v_scale != 1.0)  # the cache, the compressed entries and the shared kernel read the keys unscaled
         refused = [name for name, on in taken.items() if on]
         if refused:
             raise ValueError(f"{refused[0]}: not with kv_shared (grouped-query attention whose values are its keys after their norm and RoPE)")
@@ -1845,8 +1846,9 @@ def attention_context(
     lengths = _sequence_lengths(cu_seqlens, positions, token_index, linear_cp) if cfg.longrope_short_factors is not None else None
     cos, sin = rope_tables(positions, cfg, lengths)
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
-    local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(
-        cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None, linear_factor=None,
+    local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(  # of the local layers' heads
+        cfg, head_dim=cfg.local_head_dim or cfg.head_dim, local_head_dim=None,  # wider than head_dim: refused as rot_dim > head_dim
+        rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None, linear_factor=None,
         rope_proportion=None,
         longrope_short_factors=None, longrope_long_factors=None, longrope_original_max_positions=4096, longrope_short_scale=1.0,
         longrope_long_scale=1.0))

@@ -770,7 +770,8 @@ class TransformerConfig:
     every block NoPE (is_nope), head h's score of a key d tokens back in its document gets
     -m_h d added (m_h fmoe.layers.alibi_slopes(n_heads), constants the blocks compute, not
     weights; under tensor parallel each rank its heads' slopes); grouped-query attention
-    only, not with abs_positions, nope_layers or MTP modules (which rotate). alibi_scaled:
+    only, not with abs_positions, nope_layers, MTP modules (which rotate) or compressed
+    entries (compress_layers, csa_layers: no distance to them). alibi_scaled:
     the bias times the softmax scale as well, added before the scaling (Falcon's).
     zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
     (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
@@ -1597,7 +1598,8 @@ class TransformerConfig:
                 raise ValueError("alibi_scaled: ALiBi's bias times the softmax scale, needs alibi=True")
             return
         others = dict(kv_rank="multi-latent attention", abs_positions="learned absolute positions", nope_layers="NoPE blocks: every block is one",
-                      mtp_depth="MTP modules, which rotate")
+                      mtp_depth="MTP modules, which rotate", compress_layers="compressed entries: no ALiBi distance to them",
+                      csa_layers="compressed entries: no ALiBi distance to them")
         for name, what in others.items():
             if getattr(self, name):
                 raise ValueError(f"alibi: ALiBi's biases on grouped-query attention in place of RoPE, not with {name} = {getattr(self, name)!r} ({what})")

@@ -2742,6 +2742,8 @@ def F_sdpa(q_TND, k_TGD, v_TGD, mask, cfg):
     (dict(kv_shared=True, k_eq_v=True), r"k_eq_v: not with kv_shared"),
     (dict(kv_shared=True, v_dim=8), r"v_dim: not with kv_shared"),
     (dict(kv_shared=True, v_norm=True), r"v_norm: not with kv_shared"),
+    # the values times a constant: the cache, the compressed entries and the shared kernel read the keys unscaled (decoding 0.01-0.06 off)
+    (dict(kv_shared=True, v_scale=0.7), r"v_scale: not with kv_shared"),
     (dict(kv_shared=True, n_kv_heads=4, kv_rank=6, rot_dim=4), r"kv_rank: not with kv_shared"),
     (dict(kv_shared=True, n_heads=4, moa_experts=3, moa_topk=2), r"moa_experts: not with kv_shared"),
 ])

@@ -731,6 +731,31 @@ def test_linear_rope_reads_positions_over_the_factor_in_the_global_blocks_only()
         dataclasses.replace(TINY, rope_linear_factor=0)
 
 
+@pytest.mark.parametrize("rope_dim", [None, 4], ids=["every channel", "rope_dim 4"])
+def test_local_blocks_with_heads_wider_than_the_global_ones_run(rope_dim):
+    """local_head_dim above head_dim (8 against 4): the local layers' RoPE tables were built
+    from a config of the global head dim, and every forward failed ("rot_dim: expected an
+    even number <= head_dim = 4, got 6"). The local tables turn the local heads' channels
+    at local_rope_base, the model trains, and decoding gives its logits."""
+    from fmoe.ops import positions_from_cu_seqlens, rope_cos_sin, rope_inv_freq
+
+    cfg = dataclasses.replace(TINY, head_dim=4, n_heads=4, n_kv_heads=2, window=4, window_layers=(0,), local_rope_base=100.0,
+                              local_head_dim=8, rope_dim=rope_dim, mtp_depth=0)
+    model = Transformer(cfg)
+    ids, cu = torch.randint(0, cfg.vocab_size, (12,)), torch.tensor([0, 5, 12], dtype=torch.int32)
+    ctx = model.context(make_batch(ids, cu)).attention[0]
+    want = rope_cos_sin(positions_from_cu_seqlens(cu), rope_inv_freq(8, base=100.0))
+    assert torch.equal(ctx.local_cos, want[0]) and torch.equal(ctx.local_sin, want[1])
+    losses, _ = model(make_batch(ids, cu))
+    losses["lm_sum"].backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    with torch.no_grad():
+        whole = model.logits(ids[:5], cu[:2])
+        cache = model.kv_cache(5)
+        steps = torch.cat([model.decode(ids[:2], cache)] + [model.decode(ids[t:t + 1], cache) for t in range(2, 5)])
+    torch.testing.assert_close(steps, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_gemma4_attention_knobs_build_what_they_say():
     """local_head_dim and local_kv_heads shape the window's blocks (their own RoPE tables, of
     their head dim); global_k_eq_v leaves the global blocks without wv, their values the keys'
@@ -2089,7 +2114,11 @@ def test_alibi_biases_every_block_s_scores_in_place_of_rope():
         assert float((scaled.logits(ids, cu) - logits).abs().max()) > 1e-3
     for knobs, message in ((dict(mtp_depth=1), r"not with mtp_depth = 1 \(MTP modules, which rotate\)"),
                            (dict(abs_positions=16), "not with abs_positions = 16"), (dict(nope_layers=(1,)), r"not with nope_layers = \(1,\)"),
-                           (dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5), "not with kv_rank = 6")):
+                           (dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5), "not with kv_rank = 6"),
+                           # compressed entries have no distance to a query: every forward failed on params['alibi']
+                           (dict(kv_shared=True, n_kv_heads=1, compress_layers=(1,)), r"not with compress_layers = \(1,\) \(compressed entries"),
+                           (dict(kv_shared=True, n_kv_heads=1, q_rank=12, csa_layers=(1,), csa_rate=2, csa_topk=2, index_heads=2, index_head_dim=8),
+                            r"not with csa_layers = \(1,\) \(compressed entries")):
         with pytest.raises(ValueError, match=f"alibi: ALiBi's biases on grouped-query attention in place of RoPE, {message}"):
             dataclasses.replace(cfg, **knobs)
     with pytest.raises(ValueError, match="alibi_scaled: ALiBi's bias times the softmax scale, needs alibi=True"):
