@@ -101,7 +101,7 @@ from tensordict import TensorDict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fmoe.ops.checks import check_index, check_positive_int
+from fmoe.ops.checks import check_index, check_positive_int, holds_values
 from fmoe.ops.delta import check_rule_inputs, gated_delta_rule, gated_linear_attention
 from fmoe.ops.routing import Routes
 from fmoe.ops.scan import check_scan_inputs, selective_scan
@@ -183,7 +183,10 @@ def split_batch(batch, cp_rank: int, cp: int) -> TensorDict:
         batch: a mapping with "input_ids" [T] (which fixes T), "cu_seqlens" [n + 1] and
             other entries whose last dim is T; not already split (no "token_index").
         cp_rank, cp: this rank's index on the cp axis and the cp size; T % (2 cp) == 0
-            (else a ValueError naming tokens_per_micro_batch and cp).
+            (else a ValueError naming tokens_per_micro_batch and cp). The cp mesh's:
+            meshes.batch.get_local_rank("cp") and meshes.cp, not the world rank mod cp (with
+            tp or dp beside cp that is another rank's share; the model's context refuses
+            such a split: ContextParallel.attention_kwargs).
     Returns:
         A TensorDict (batch_size []) with the same keys plus "token_index" (and
         "routed_tokens" with a token_mask), on the batch's device.
@@ -478,7 +481,17 @@ class ContextParallel:
         return f"ContextParallel(cp={self.cp})"
 
     def attention_kwargs(self, token_index: torch.Tensor) -> dict:
+        """The attention_context arguments of a batch split by split_batch, whose token_index
+        must be this rank's (its cp coordinate and size: the mesh's): a batch split for
+        another rank or cp size (the world rank mod cp at cp x tp, say) trained on wrong
+        losses and gradients, silently. Checked on the device, no host sync: on the CPU a
+        RuntimeError at once, on a GPU a device-side assert at the next sync."""
         n_tokens = token_index.shape[0] * self.cp
+        if holds_values(token_index):
+            own = cp_token_index(n_tokens, self.cp, self.mesh.get_local_rank(), device=token_index.device)
+            torch._assert_async((token_index == own).all(), f"batch['token_index']: the batch was split for another cp rank or size than "
+                                 f"this rank's (cp rank {self.mesh.get_local_rank()} of {self.cp}): split it with fmoe.parallel.split_batch("
+                                 "batch, meshes.batch.get_local_rank('cp'), meshes.cp)")
         kv_index = cp_kv_index(n_tokens, self.cp, device=token_index.device)
         return dict(token_index=token_index, kv_index=kv_index, gather_kv=functools.partial(gather_kv, cp_mesh=self.mesh), linear_cp=self)
 

@@ -218,6 +218,18 @@ def _cp_worker(rank, world):
         conv_halo(torch.zeros(4, 3), 3, cp4)
     except ValueError as err:
         out["small chunks"] = str(err)
+    # a batch split for another cp rank or size than the mesh's: refused on the device (it trained on wrong losses, silently)
+    from fmoe.parallel import ContextParallel, cp_token_index
+
+    split = ContextParallel(cp2)
+    refused = []
+    for wrong in (cp_token_index(16, 2, 1 - rank % 2), cp_token_index(16, 4, rank % 2)):  # the other rank; split for cp = 4
+        try:
+            split.attention_kwargs(wrong)
+        except RuntimeError as err:
+            refused.append(str(err))
+    own = split.attention_kwargs(cp_token_index(16, 2, rank % 2))
+    out["wrong split"] = (refused, torch.equal(own["token_index"], cp_token_index(16, 2, rank % 2)))
     out["gather cp=4"] = _gather_case(cp4, 4, rank, 16, 7)
     out["gather cp=2"] = _gather_case(cp2, 2, rank % 2, 12, 8 + rank // 2)
     return out
@@ -284,6 +296,18 @@ def test_linear_attention_over_cp_ranks_equals_one_process(cp_results, name):
 def test_conv_halo_refuses_chunks_shorter_than_the_taps_reach(cp_results):
     for r in cp_results:
         assert "tokens_per_micro_batch: each cp chunk (T / (2 cp) = 2 tokens) must hold the 3 tokens" in r["small chunks"]
+
+
+def test_a_batch_split_for_another_cp_rank_is_refused(cp_results):
+    """ContextParallel.attention_kwargs (Transformer.context's) checks the split's token_index
+    against its own cp coordinate and size on the device: split_batch with the other rank,
+    or for cp = 4 on a cp = 2 mesh, ran with wrong losses and gradients (52% off the loss for
+    the size); the right split passes."""
+    for rank, r in enumerate(cp_results):
+        refused, own = r["wrong split"]
+        assert own and len(refused) == 2, r["wrong split"]
+        assert all(f"batch['token_index']: the batch was split for another cp rank or size than this rank's (cp rank {rank % 2} of 2)" in m
+                   for m in refused), refused
 
 
 def test_attention_context_checks_linear_cp():
