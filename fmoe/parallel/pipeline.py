@@ -387,7 +387,11 @@ class Pipeline:
         """Forward and backward of one optimizer step's micro-batches (this rank's share)
         through the pipeline; gradients accumulate in the chunks' parameters. Returns the
         sums of what loss_fn logged and the MoE counts over this rank's stages (names of
-        layers held elsewhere absent)."""
+        layers held elsewhere absent). Every data-parallel rank passes the same number of
+        micro-batches, a rank short of them padding with MicroBatch(..., padding=True) copies
+        (examples/train_moe.py does): a count that differs leaves the ranks in different
+        collectives of the gradients' reduction, and they wait on each other for ever (the
+        count is not exchanged here: that would be a collective and a host sync per step)."""
         n = len(micro_batches)
         schedule = self.schedule(n)
         self._check_micro_batches(micro_batches)
