@@ -3729,7 +3729,7 @@ def _without_delta(q, k, v, g, cfg: LinearAttentionConfig, cu, split, states) ->
         return split.gated_linear_attention(q, k, v, g, cu, **kw)
     if states is None:  # the context's cu_seqlens: make_batch checked them (no host read here)
         return gated_linear_attention(q, k, v, g, cu, check=False, **kw)
-    o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
+    o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, check=False, **kw)  # no host read
     return o
 
 
@@ -3953,7 +3953,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False)  # cu: checked by make_batch
     else:
         o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size,
-                                           impl=cfg.impl)
+                                           impl=cfg.impl, check=False)  # no host read in a decoding step
     o_TNV = o.reshape(T, Nv, Dv)
     if cfg.kind == "kda":
         z = mm(x, params["wz"]) if cfg.full_rank else mm(mm(x, params["wz_a"]), params["wz_b"])

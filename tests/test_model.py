@@ -2597,8 +2597,12 @@ def test_batched_decode_through_the_flex_block_mask(window, alibi, monkeypatch):
         torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-5, atol=1e-5)
 
 
-def test_decode_reads_nothing_on_the_host():
-    model = _sharp(dataclasses.replace(TINY, impl="auto"))  # the torch reference's grouped MLP reads its offsets
+@pytest.mark.parametrize("name", ["default", "gated deltanet", "minimax", "granite4", "jamba", "ling"])
+def test_decode_reads_nothing_on_the_host(name):
+    """Attention and every linear-attention kind's decoding steps (the rule's and the scan's
+    own value checks are the public ops' default, which the layers turn off)."""
+    cfg = TINY if name == "default" else dataclasses.replace(VARIANTS[name], mtp_depth=0)
+    model = _sharp(dataclasses.replace(cfg, impl="auto"))  # the torch reference's grouped MLP reads its offsets
     cache = model.kv_cache(8)
     ids = torch.randint(0, TINY.vocab_size, (5,))
     with torch.no_grad(), HostReads() as reads:
