@@ -51,6 +51,20 @@ def _offsets():
     return torch.tensor([3, 3, 10, 14, 20, 24], dtype=torch.int32)
 
 
+def _rule_inputs(beta: bool, g_sign: float = -1.0):
+    """q, k, v, g (and beta) of the delta rule / linear attention over T tokens, one row, 2 heads."""
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, 2, 4), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, 2, 3, requires_grad=True)
+    g = (g_sign * torch.rand(1, T, 2)).requires_grad_()
+    return (q, k, v, g, torch.rand(1, T, 2, requires_grad=True)) if beta else (q, k, v, g)
+
+
+def _scan_inputs():
+    """u, dt (> 0), A (< 0), b, c of the selective scan over T tokens, one row, 3 channels, a state of 2."""
+    return (torch.randn(1, T, 3, requires_grad=True), (0.1 + torch.rand(1, T, 3)).requires_grad_(), (-0.5 - torch.rand(3, 2)).requires_grad_(),
+            torch.randn(1, T, 2, requires_grad=True), torch.randn(1, T, 2, requires_grad=True))
+
+
 def _scores_experts():
     logits = torch.randn(T, E, requires_grad=True)
     return F.aux_scores(logits, K)
@@ -132,6 +146,21 @@ CASES = {
                                                    torch.randn(T, 2), v_dim=4, check=check),
         bad=lambda: F.sparse_attention_probs(torch.randn(2, 2, 8), torch.randn(5, 8), torch.tensor([[0, 5], [1, -1]]), torch.randn(2, 2)),
         match=r"index: expected keys in 0 \.\. S-1 = 4 or -1",
+    ),
+    "gated_delta_rule": Case(
+        run=lambda check: F.gated_delta_rule(*_rule_inputs(beta=True), _cu(), chunk_size=4, check=check),
+        bad=lambda: F.gated_delta_rule(*_rule_inputs(beta=True), torch.tensor([0, 9, 4, T])),
+        match=r"cu_seqlens: must be non-decreasing",
+    ),
+    "gated_linear_attention": Case(
+        run=lambda check: F.gated_linear_attention(*_rule_inputs(beta=False), _cu(), chunk_size=4, check=check),
+        bad=lambda: F.gated_linear_attention(*_rule_inputs(beta=False, g_sign=1.0)),
+        match=r"g: expected the log of each token's decay of the state, <= 0",
+    ),
+    "selective_scan": Case(
+        run=lambda check: F.selective_scan(*_scan_inputs(), _cu(), check=check),
+        bad=lambda: F.selective_scan(*_scan_inputs(), torch.tensor([1, 4, T])),
+        match=r"cu_seqlens: must start at 0",
     ),
     "mtp_targets": Case(
         run=lambda check: F.mtp_targets(torch.randint(0, 50, (T,)), _cu(), 2, check=check),
