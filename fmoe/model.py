@@ -2909,7 +2909,13 @@ class Transformer(nn.Module):
         layers.update({f"mtp_{d}": m.block.mlp for d, m in enumerate(self.mtp, start=1) if isinstance(m.block.mlp, MoE)})
         return layers
 
-    def _check_batch(self, batch) -> None:
+    def check_batch(self, batch) -> None:
+        """ValueError naming what a micro-batch lacks for this model: make_batch's entries
+        (the MTP rows with mtp_depth), their shapes, and a context-parallel split exactly
+        when the model is context parallel. Shapes and keys alone, no value read: what
+        context() checks first; fmoe.parallel.Pipeline checks every micro-batch with it
+        before its schedule runs, on every rank (a stage's refusal inside the schedule
+        reached the other stages as a closed connection)."""
         keys = BATCH_KEYS + (MTP_KEYS if self.cfg.mtp_depth else ())
         missing = [key for key in keys if key not in batch.keys()]
         if missing:
@@ -2922,17 +2928,18 @@ class Transformer(nn.Module):
         for key in MTP_KEYS if D else ():
             if batch[key].shape != (D, T):
                 raise ValueError(f"batch[{key!r}]: expected shape ({D}, {T}): one row per MTP depth (mtp_depth = {D}), got {tuple(batch[key].shape)}")
+        split = "token_index" in batch.keys()
+        if split != (self.context_parallel is not None):
+            raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
+                             f"and only such a model does; got {'a split' if split else 'an unsplit'} batch, context_parallel={self.context_parallel}")
 
     def context(self, batch) -> BatchContext:
         """The micro-batch's BatchContext: RoPE tables of the trunk's positions and of every
         MTP depth's, and one attention mask from cu_seqlens, on the batch's device. Reads no
         value on the host; build it once per micro-batch, after the batch has moved."""
-        self._check_batch(batch)
+        self.check_batch(batch)
         cfg = self.cfg.context_config()  # both masks when some block is local
         split = "token_index" in batch.keys()
-        if split != (self.context_parallel is not None):
-            raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
-                             f"and only such a model does; got {'a split' if split else 'an unsplit'} batch, context_parallel={self.context_parallel}")
         cp = self.context_parallel.attention_kwargs(batch["token_index"]) if split else {}
         trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg, **cp)
         full = dataclasses.replace(cfg, window=None, chunk=None)  # the MTP blocks attend to every earlier token

@@ -411,7 +411,8 @@ class Pipeline:
 
     def _check_micro_batches(self, micro_batches) -> None:
         """ValueError unless each is a MicroBatch of `tokens` token ids (the stages' buffers'
-        size: another T aborted the transfers between stages); on every rank alike when
+        size: another T aborted the transfers between stages) that the model takes
+        (Transformer.check_batch: its entries, MTP rows, a cp split); on every rank alike when
         every rank is given the same kind of micro-batches."""
         for i, mb in enumerate(micro_batches):
             if not isinstance(mb, MicroBatch):
@@ -419,6 +420,11 @@ class Pipeline:
             ids = mb.batch["input_ids"]
             if ids.ndim != 1 or ids.shape[0] != self.tokens:
                 raise ValueError(f"micro_batches[{i}]: expected {self.tokens} token ids (the Pipeline's tokens), got shape {tuple(ids.shape)}")
+            for chunk in self.chunks[:1]:  # the model's own check, on every rank before the schedule (a refusal inside a stage
+                try:  # closed the connection under the other stages, which never saw the message)
+                    chunk.check_batch(mb.batch)
+                except ValueError as err:
+                    raise ValueError(f"micro_batches[{i}]: {err}") from None
 
     # ------------------------------------------------------------------ tied embedding
     def _tied_group(self, cfg: TransformerConfig) -> Optional[dist.ProcessGroup]:

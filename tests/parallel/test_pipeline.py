@@ -179,6 +179,15 @@ def _refusals():
     errors["other_token_count_refused"] = refused(lambda: pipe.step([MicroBatch(batches[0]), MicroBatch(short)]),
                                                   "micro_batches[1]: expected 24 token ids (the Pipeline's tokens), got shape (16,)")
     errors["raw_batches_refused"] = refused(lambda: pipe.step(batches), "micro_batches[0]: expected a fmoe.parallel.MicroBatch, got TensorDict")
+    # a batch the model refuses (no MTP rows; cut into cp shares for a model that is not context parallel): on every rank before
+    # the schedule (the stage holding the model's check raised inside it; the other stages saw a closed connection)
+    no_mtp = make_batch(torch.arange(T) % TINY["vocab_size"], torch.tensor([0, T]), 0)
+    errors["batch_without_mtp_rows_refused"] = refused(lambda: pipe.step([MicroBatch(batches[0]), MicroBatch(no_mtp)]),
+                                                       "micro_batches[1]: batch: missing ['mtp_input_ids', 'mtp_labels'")
+    from fmoe.parallel import split_batch
+
+    errors["split_batch_refused"] = refused(lambda: pipe.step([MicroBatch(split_batch(batches[0], 0, 1))]),
+                                            "micro_batches[0]: batch: a context-parallel model takes the batch split")
     errors["no_batch_to_evaluate_refused"] = refused(lambda: pipe.evaluate([]), "micro_batches: expected at least one micro-batch")
     pipe.step([MicroBatch(b) for b in batches])
     copies = pipe.embed_copies()
