@@ -5328,20 +5328,21 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
                          f"{err})") from None
     try:
         return hf, TransformerConfig(**kwargs)
-    except ValueError as err:  # TransformerConfig names its own fields: say which config.json field that is
+    except ValueError as err:  # TransformerConfig names its own fields: say which config.json field that is, where the file has it
         name, _, why = str(err).partition(": ")
-        field = _CONFIG_FIELDS.get(name)
+        field = next((key for key in _CONFIG_FIELDS.get(name, ()) if key in hf), None)
         if field is None or not why:
             raise
-        raise ValueError(f"config.json: {field} (fmoe's {name}): {why}") from None
+        raise ValueError(f"config.json: {field} = {hf[field]!r} (fmoe's {name}): {why}") from None
 
 
-# fmoe's TransformerConfig fields and the config.json fields most families map them from (read_config's errors)
-_CONFIG_FIELDS = dict(k="num_experts_per_tok", n_experts="the number of experts (num_experts, num_local_experts or n_routed_experts)",
-                      n_dense="first_k_dense_replace (the dense blocks first)", n_layers="num_hidden_layers", hidden="hidden_size",
-                      n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim="head_dim", vocab_size="vocab_size",
-                      ffn_expert="moe_intermediate_size", ffn_dense="intermediate_size", n_groups="n_group", topk_groups="topk_group",
-                      n_shared="n_shared_experts", window="sliding_window", rope_base="rope_theta")
+# fmoe's TransformerConfig fields and the top-level config.json fields the Llama- and DeepSeek-style families map them from
+# (read_config's errors name the one the file holds; another family's own names, or a value derived, keep fmoe's name)
+_CONFIG_FIELDS = dict(k=("num_experts_per_tok",), n_experts=("n_routed_experts", "num_experts", "num_local_experts"),
+                      n_dense=("first_k_dense_replace",), n_layers=("num_hidden_layers",), hidden=("hidden_size",),
+                      n_heads=("num_attention_heads",), n_kv_heads=("num_key_value_heads",), head_dim=("head_dim",), vocab_size=("vocab_size",),
+                      ffn_expert=("moe_intermediate_size",), ffn_dense=("intermediate_size",), n_groups=("n_group",), topk_groups=("topk_group",),
+                      n_shared=("n_shared_experts",), window=("sliding_window",), rope_base=("rope_theta",))
 
 
 def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[str]:

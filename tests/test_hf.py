@@ -1142,9 +1142,9 @@ def test_dense_blocks_first_past_the_layer_count_make_every_block_dense(family, 
         assert _rel(_exported_logits(model, tmp_path / "ours", family), _their_logits(ref, docs)) < 1e-5
 
 
-@pytest.mark.parametrize("field,value,names", [("num_experts_per_tok", 9, r"num_experts_per_tok \(fmoe's k\): expected 1\.\.8, got 9"),
+@pytest.mark.parametrize("field,value,names", [("num_experts_per_tok", 9, r"num_experts_per_tok = 9 \(fmoe's k\): expected 1\.\.8, got 9"),
                                                ("num_hidden_layers", 0, r"num_hidden_layers = 0, expected a positive int"),
-                                               ("n_group", 3, r"n_group \(fmoe's n_groups\): the 8 experts must split evenly")],
+                                               ("n_group", 3, r"n_group = 3 \(fmoe's n_groups\): the 8 experts must split evenly")],
                          ids=["num_experts_per_tok", "num_hidden_layers", "n_group"])
 def test_a_config_fmoe_refuses_names_the_config_json_field(field, value, names, folders, tmp_path):
     """A config.json value the mapped TransformerConfig refuses is named by its config.json
@@ -1154,6 +1154,18 @@ def test_a_config_fmoe_refuses_names_the_config_json_field(field, value, names, 
     fields = json.loads((tmp_path / "bad" / "config.json").read_text())
     (tmp_path / "bad" / "config.json").write_text(json.dumps({**fields, field: value}))
     with pytest.raises(ValueError, match=r"^config\.json: " + names):
+        hf.from_pretrained(tmp_path / "bad")
+
+
+def test_a_refused_value_of_a_field_the_file_lacks_keeps_fmoe_s_name(folders, tmp_path):
+    """DBRX keeps its experts per token in ffn_config.moe_top_k, not num_experts_per_tok: the
+    refusal names fmoe's k rather than a field the file does not have."""
+    path, _ = folders["dbrx"]
+    shutil.copytree(path, tmp_path / "bad")
+    fields = json.loads((tmp_path / "bad" / "config.json").read_text())
+    fields["ffn_config"]["moe_top_k"] = 9
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=r"^k: expected 1\.\.4, got 9"):
         hf.from_pretrained(tmp_path / "bad")
 
 
