@@ -129,6 +129,7 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
 
 def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, check: bool = True):
     """gated_delta_rule_loop, or gated_linear_attention_loop with beta None."""
+    check_bools(check=check)
     scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, check=check)
     check_bools(final_state=final_state)
     B, T, N, Dk = q.shape
@@ -454,6 +455,7 @@ def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, init
 
 def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str, check: bool = True):
     """gated_delta_rule (beta [B, T, N]) or gated_linear_attention (beta None: u = v, no solve)."""
+    check_bools(check=check)  # "no" ran the checks, 0 skipped them
     scale = check_rule_inputs(q, k, v, g, beta, cu_seqlens, scale, initial_state, check=check)
     check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)

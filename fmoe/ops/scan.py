@@ -286,6 +286,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
 
     Example: y = selective_scan(x * dt, dt, -A_log.exp(), b, c, cu_seqlens) + D * x
     """
+    check_bools(check=check)  # "no" ran the checks, 0 skipped them
     check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, check=check)
     check_bools(final_state=final_state)
     check_positive_int("chunk_size", chunk_size)  # the torch path's, checked on every path (CUDA's "auto" runs the kernel)
@@ -303,6 +304,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
 
 def selective_scan_loop(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False, check: bool = True):
     """selective_scan token by token (gated_linear_attention_loop's form): its definition."""
+    check_bools(check=check)
     check_scan_inputs(u, dt, A, b, c, cu_seqlens, initial_state, check=check)
     check_bools(final_state=final_state)
     state = None if initial_state is None else initial_state.float()[..., None]

@@ -228,6 +228,10 @@ def test_bounds_that_pack_no_documents_are_refused(rule, bounds):
         with pytest.raises(ValueError, match=r"^cu_seqlens: a meta tensor holds no offsets to copy to the device of q \(cpu\)"):
             fn(q, k, v, g, *rest, torch.tensor([0, 6], device="meta"))
     assert run(q, k, v, g, *rest, cu, check=False).shape == (1, 6, 2, 4)
+    for fn in (run, loop):
+        for flag in ("no", 0):  # "no" ran the checks, 0 skipped them
+            with pytest.raises(ValueError, match=rf"^check: expected a bool, got {flag!r}"):
+                fn(q, k, v, g, *rest, cu, check=flag)
     # a decay past 1 (g > 0, documented <= 0): the state grows without bound
     up = g.clone()
     up[0, 3, 1] = 0.5
