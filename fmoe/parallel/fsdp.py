@@ -292,7 +292,8 @@ def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
     Returns model."""
     reset = getattr(model, "reset_parameters", None)
     try:  # before to_empty: a reset_parameters without seed= (nn.Linear's) failed after the weights were emptied
-        takes_seed = callable(reset) and "seed" in inspect.signature(reset).parameters
+        params = inspect.signature(reset).parameters if callable(reset) else {}
+        takes_seed = "seed" in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())  # **kwargs may forward it
     except (TypeError, ValueError):  # no signature to read
         takes_seed = False
     if not takes_seed:

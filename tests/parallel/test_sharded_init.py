@@ -128,3 +128,11 @@ def test_materialize_needs_an_int_seed():
     with torch.device("meta"):
         own = Own(4, 4)
     assert materialize(own, "cpu", seed=2).weight.eq(2.0).all()
+
+    class Forwarding(Own):  # a wrapper passing seed= on through **kwargs: taken
+        def reset_parameters(self, **kwargs):
+            super().reset_parameters(**kwargs)
+
+    with torch.device("meta"):
+        own = Forwarding(4, 4)
+    assert materialize(own, "cpu", seed=3).weight.eq(3.0).all()
