@@ -50,7 +50,7 @@ With drop > 0 (Drop-Upcycling) part of each expert starts fresh instead, by desi
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence, Union
+from typing import Iterable, Mapping, Sequence, Union
 
 import torch
 
@@ -252,11 +252,11 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
                          f"got {type(dense_state).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int):  # reset_parameters' rule: the routers' rows come from it
         raise ValueError(f"seed: expected an int (the seed the model was initialised with), got {seed!r}")
-    listed = isinstance(model, Sequence) and not isinstance(model, str)
-    parts = [model] if isinstance(model, torch.nn.Module) else list(model) if listed else []
+    listed = isinstance(model, Iterable) and not isinstance(model, (str, bytes, torch.nn.Module))
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model) if listed else []  # a generator of chunks too
     if not parts or not all(isinstance(part, Transformer) for part in parts):
         raise ValueError(f"model: expected a fmoe.model.Transformer or a sequence of its pipeline chunks, got "
-                         f"{[type(m).__name__ for m in model] if listed and model else type(model).__name__}")
+                         f"{[type(m).__name__ for m in parts] if listed and parts else type(model).__name__}")
     plans = [_plan(part, dense_state, dense_cfg) for part in parts]  # every check first: a refusal leaves the model as it was
     for part, (g, plan) in zip(parts, plans):
         cfg = part.cfg

@@ -291,9 +291,10 @@ def test_upcycle_names_a_bad_model_or_seed():
         with pytest.raises(ValueError, match=rf"^seed: expected an int \(the seed the model was initialised with\), got {re.escape(repr(seed))}"):
             upcycle_(Transformer(_moe()), dense, DENSE, seed=seed)
     for model, got in (([], "list"), (torch.nn.Linear(2, 2), "Linear"), ([Transformer(_moe()), torch.nn.Linear(2, 2)], r"\['Transformer', 'Linear'\]"),
-                       ("model", "str")):
+                       ("model", "str"), ((m for m in [torch.nn.Linear(2, 2)]), r"\['Linear'\]")):
         with pytest.raises(ValueError, match=rf"^model: expected a fmoe.model.Transformer or a sequence of its pipeline chunks, got {got}"):
             upcycle_(model, dense, DENSE)
+    upcycle_((part for part in [Transformer(_moe())]), dense, DENSE)  # a generator of chunks, as before
 
 
 def test_a_refusal_leaves_the_model_as_it_was():
