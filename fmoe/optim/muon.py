@@ -217,7 +217,8 @@ class Muon(torch.optim.Optimizer):
         check_ordered(group["params"])
         params, names = split_names(group["params"])
         check_params_once(params, self.param_groups)
-        for p in params:
+        for i, p in enumerate(params):
+            where = f"params[{i}]" + (f" ({names[i]})" if names and names[i] else "")
             if not isinstance(p, torch.Tensor):  # Muon([1.0]): an AttributeError below
                 raise ValueError(f"params: expected tensors, got {type(p).__name__}")
             if not p.is_floating_point():  # a complex gradient's imaginary part was dropped, int64 failed at step
@@ -225,7 +226,8 @@ class Muon(torch.optim.Optimizer):
             if p.ndim < 2:
                 raise ValueError(f"params: Muon takes matrices (ndim >= 2), got shape {tuple(p.shape)}; give it to AdamW")
             if isinstance(p, DTensor) and any(isinstance(pl, Shard) and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements):
-                raise ValueError(f"params: a DTensor sharded over a matrix dim ({p.placements}) is not whole locally")
+                raise ValueError(f"{where}: a DTensor of shape {tuple(p.shape)} sharded over a matrix dim ({p.placements}) is not whole "
+                                 "locally; Muon orthogonalises whole matrices: fmoe.parallel.DistributedMuon gathers them under FSDP2")
         super().add_param_group(with_names(param_group, params, names))
 
     def load_state_dict(self, state_dict: dict) -> None:

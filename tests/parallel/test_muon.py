@@ -334,6 +334,14 @@ def _bad_layouts(meshes) -> dict:
             messages[name] = "no error"
         except ValueError as e:
             messages[name] = str(e)
+    # the plain Muon on an FSDP2 shard: named, and pointed to DistributedMuon (it named no parameter and no way out)
+    shard = nn.Parameter(DTensor.from_local(torch.zeros(2, 4), meshes.batch["dp"], [Shard(0)], run_check=False,
+                                            shape=torch.Size((2 * meshes.batch["dp"].size(), 4)), stride=(4, 1)))
+    try:
+        Muon([("blocks.0.attn.wq", shard)])
+        messages["plain muon"] = "no error"
+    except ValueError as e:
+        messages["plain muon"] = str(e)
     return messages
 
 
@@ -476,6 +484,8 @@ def test_bad_layouts_are_refused(spawned):
     for result in results:
         messages = result["bad_layouts"]
         assert "params" in messages["partial"] and "Partial" in messages["partial"]
+        assert messages["plain muon"].startswith("params[0] (blocks.0.attn.wq): a DTensor of shape (") and "sharded over a matrix dim" in messages["plain muon"] \
+            and "fmoe.parallel.DistributedMuon gathers them under FSDP2" in messages["plain muon"], messages["plain muon"]
         if size == 4:
             assert "params" in messages["strided"] and "not blocks" in messages["strided"]
 
