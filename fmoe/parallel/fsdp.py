@@ -39,6 +39,7 @@ tokens are split over ranks and micro-batches (DESIGN.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Iterator, Optional
 
@@ -159,17 +160,40 @@ def apply_fsdp(
     # the root stays gathered until backward: its forward returns TensorDicts, which FSDP's
     # pre-backward hooks do not look into, so it could not re-gather for backward
     shard_unit(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
+    # ...but a forward without gradients has no backward to reshard it: left gathered, the
+    # next forward read the root's parameters of before an optimizer step in between, and an
+    # optimizer built after it took the gathered copies (never trained). Resharded after one.
+    model.register_forward_hook(_reshard_without_backward)
     # the model's other entry points that use the root's own parameters (the embedding,
     # final norm and head): FSDP2 gathers them there as it does in forward
     for method in ("decode", "logits"):
         if callable(getattr(model, method, None)):
             register_fsdp_forward_method(model, method)
+            setattr(model, method, _resharding(model, getattr(model, method)))
     if hasattr(model, "compute_dtype"):
         model.compute_dtype = param_dtype
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def _reshard_without_backward(module: nn.Module, args=None, output=None) -> None:
+    """Reshard the root unit after a call made without gradients (no backward follows to do
+    it), unless gathered() keeps it gathered."""
+    if not torch.is_grad_enabled() and not getattr(module, "keep_gathered", False):
+        module.reshard()
+
+
+def _resharding(model: nn.Module, method):
+    """method (the root's decode or logits, as FSDP2 wraps it), then _reshard_without_backward."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        out = method(*args, **kwargs)
+        _reshard_without_backward(model)
+        return out
+
+    return call
 
 
 @contextlib.contextmanager
@@ -190,10 +214,12 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
     before = [_reshards_after_forward(unit) for unit in units]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
+        unit.keep_gathered = True  # the root's own resharding after calls without gradients, off
     try:
         yield model
     finally:
         for unit, reshard in zip(units, before):
+            unit.keep_gathered = False
             unit.reshard()
             unit.set_reshard_after_forward(reshard, recurse=False)
 

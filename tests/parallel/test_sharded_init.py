@@ -136,3 +136,51 @@ def test_materialize_needs_an_int_seed():
     with torch.device("meta"):
         own = Forwarding(4, 4)
     assert materialize(own, "cpu", seed=3).weight.eq(3.0).all()
+
+
+def _calls_without_gradients(rank, world):
+    """Two models of one seed trained alike for 3 steps, one of them also evaluated (a
+    no_grad forward and logits) before its optimizer is built and between each backward and
+    step. The root unit (embedding, final norm, head) stays gathered after a forward for its
+    backward; with no backward it stayed so: the optimizer built after the evaluation took
+    the gathered copies (embed, head, norm never moved), and a forward after the step read
+    the weights of before it (3.4337 for 2.9701)."""
+    from torch.distributed.tensor import DTensor
+
+    from fmoe.model import TransformerConfig
+    from fmoe.optim import AdamW
+    from fmoe.parallel import gathered
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
+    g = torch.Generator().manual_seed(rank)
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (16,), generator=g), torch.tensor([0, 16]))
+    losses = {}
+    for evaluate in (False, True):
+        model = _sharded(cfg, {}, seed=0)
+        if evaluate:
+            with torch.no_grad():
+                model(batch, model.context(batch))
+                model.logits(batch["input_ids"], batch["cu_seqlens"])
+        sharded = all(isinstance(p, DTensor) for p in model.parameters())
+        opt = AdamW(list(model.parameters()), lr=1e-2)
+        for _ in range(3):
+            out, _ = model(batch, model.context(batch))
+            (out["lm_sum"] / 32).backward()
+            if evaluate:
+                with torch.no_grad():
+                    model(batch, model.context(batch))
+            opt.step()
+            opt.zero_grad()
+        out, _ = model(batch, model.context(batch))
+        losses[evaluate] = (float(out["lm_sum"]), sharded)
+    with torch.no_grad(), gathered(model):  # gathered() still keeps the root gathered between calls
+        model(batch, model.context(batch))
+        kept = not isinstance(model.embed, DTensor)
+    return dict(losses=losses, kept=kept, after=isinstance(model.embed, DTensor))
+
+
+def test_calls_without_gradients_leave_the_root_sharded():
+    for r in run_distributed(_calls_without_gradients, 2, timeout=120):
+        assert r["losses"][True] == r["losses"][False] and r["losses"][True][1], r
+        assert r["kept"] and r["after"], r
