@@ -474,8 +474,7 @@ def _check_dense_weights(x_TH, w_gate_HF, w_up_HF, w_down_FH, *, gated: bool) ->
                              f"got {list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
         if w.dtype != x_TH.dtype:
             raise ValueError(f"{name}: dtype {w.dtype} differs from x's {x_TH.dtype}")
-        if w.device != x_TH.device:
-            raise ValueError(f"{name}: expected device {x_TH.device} like x, got {w.device}")
+        check_device(name, w, x_TH.device, "x")
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",

@@ -203,6 +203,7 @@ def _local_shards(tensors: list[Optional[torch.Tensor]], pg: Optional[dist.Proce
     out = []
     inside: dict[int, bool] = {}  # id(mesh) -> whether its ranks lie in pg (many tensors share a mesh)
     group_ranks = None
+    whole_world = pg is None or world == dist.get_world_size()  # every mesh lies in the world: nothing to read
     for i, t in enumerate(tensors):
         if t is None:
             continue
@@ -217,10 +218,10 @@ def _local_shards(tensors: list[Optional[torch.Tensor]], pg: Optional[dist.Proce
             )
         if mesh.size() > world or world % mesh.size():
             raise ValueError(f"parameters[{i}]: {what}'s mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
-        if pg is not None and id(mesh) not in inside:
+        if not whole_world and id(mesh) not in inside:
             group_ranks = set(dist.get_process_group_ranks(pg)) if group_ranks is None else group_ranks
             inside[id(mesh)] = set(mesh.mesh.flatten().tolist()) <= group_ranks
-        if pg is not None and not inside[id(mesh)]:
+        if not whole_world and not inside[id(mesh)]:
             raise ValueError(f"parameters[{i}]: {what}'s mesh holds ranks {sorted(mesh.mesh.flatten().tolist())}, not all in the group's "
                              f"ranks {sorted(group_ranks)}: pass a group that holds every rank of the gradients' meshes (e.g. the world)")
         if mesh.get_coordinate() is None:

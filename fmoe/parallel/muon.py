@@ -76,7 +76,8 @@ and written into the parameter by whichever comes first:
 
 Without `model=`, call `wait()` before reading the parameters (forward, eval, checkpoint).
 With `model=` too, a read that is none of the above (`p.full_tensor()`, `param_norm`,
-`replica_mismatches`, a copy of the weights) sees step t-1's values until `wait()`. With FSDP2 explicit forward prefetch (set_modules_to_forward_prefetch) a module's shards can
+`replica_mismatches`, a copy of the weights) sees step t-1's values until `wait()`. With
+FSDP2 explicit forward prefetch (set_modules_to_forward_prefetch) a module's shards can
 be all-gathered before its own pre-hook runs: call `wait()` before the forward there. So do
 torch's multi-stage pipeline schedules (interleaved_1f1b, looped_bfs: a stage's FSDP modules
 unsharded ahead of its forward; the forward then read step t-1's weights): call `wait()`

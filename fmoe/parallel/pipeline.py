@@ -420,11 +420,10 @@ class Pipeline:
             ids = mb.batch["input_ids"]
             if ids.ndim != 1 or ids.shape[0] != self.tokens:
                 raise ValueError(f"micro_batches[{i}]: expected {self.tokens} token ids (the Pipeline's tokens), got shape {tuple(ids.shape)}")
-            for chunk in self.chunks[:1]:  # the model's own check, on every rank before the schedule (a refusal inside a stage
-                try:  # closed the connection under the other stages, which never saw the message)
-                    chunk.check_batch(mb.batch)
-                except ValueError as err:
-                    raise ValueError(f"micro_batches[{i}]: {err}") from None
+            try:  # the model's own check, on every rank before the schedule (a refusal inside a stage closed the
+                self.chunks[0].check_batch(mb.batch)  # connection under the other stages, which never saw the message)
+            except ValueError as err:
+                raise ValueError(f"micro_batches[{i}]: {err}") from None
 
     # ------------------------------------------------------------------ tied embedding
     def _tied_group(self, cfg: TransformerConfig) -> Optional[dist.ProcessGroup]:
