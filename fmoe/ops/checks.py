@@ -104,6 +104,12 @@ def check_no_nan(name: str, x: torch.Tensor) -> None:
         )
 
 
+def largest(x: torch.Tensor) -> float:
+    """x's largest value with its NaNs left out (-inf if every value is NaN): a NaN beside a
+    value out of range hides nothing. One device->host sync."""
+    return float(x.detach().nan_to_num(nan=float("-inf"), posinf=float("inf")).max())
+
+
 def check_index(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor {shape_doc}, got {type(x).__name__}")

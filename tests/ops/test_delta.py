@@ -239,6 +239,10 @@ def test_bounds_that_pack_no_documents_are_refused(rule, bounds):
         with pytest.raises(ValueError, match=r"^g: expected the log of each token's decay of the state, <= 0 .*got a largest value of 0.5"):
             fn(q, k, v, up, *rest)
     assert run(q, k, v, up, *rest, check=False).isfinite().all()
+    up[0, 0, 0] = float("nan")  # a NaN beside the positive value hid it (max over a NaN is NaN)
+    for fn in (run, loop):
+        with pytest.raises(ValueError, match=r"^g: expected the log .*got a largest value of 0.5"):
+            fn(q, k, v, up, *rest)
 
 
 @pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
