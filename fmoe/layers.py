@@ -3705,7 +3705,7 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
     dt = F.softplus(mm(r, params["wa"]).float() + params["dt_bias"].float())  # [T, C]
     A, u = -params["A_log"].float().exp(), xc.float() * dt
     if split is not None:  # context parallel: the scan across the split (fmoe.parallel.selective_scan_cp)
-        o = split.selective_scan(u[None], dt[None], A, bk[None], cq[None], cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
+        o = split.selective_scan(u[None], dt[None], A, bk[None], cq[None], cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False)
     else:  # the scan kernels on CUDA (fmoe.ops.selective_scan), its chunked form elsewhere
         view = lambda t: t.reshape(B, T // B, t.shape[-1])  # noqa: E731  (not -1: T = 0 leaves it undefined)
         o = selective_scan(view(u), view(dt), A, view(bk), view(cq), cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False,
@@ -3725,7 +3725,7 @@ def _without_delta(q, k, v, g, cfg: LinearAttentionConfig, cu, split, states) ->
         if not callable(getattr(split, "gated_linear_attention", None)):
             raise ValueError(f"ctx.linear_cp: {cfg.kind} needs its gated_linear_attention (fmoe.parallel.ContextParallel), "
                              f"got {type(split).__name__} without it")
-        return split.gated_linear_attention(q, k, v, g, cu, **kw)
+        return split.gated_linear_attention(q, k, v, g, cu, check=False, **kw)
     if states is None:  # the context's cu_seqlens: make_batch checked them (no host read here)
         return gated_linear_attention(q, k, v, g, cu, check=False, **kw)
     o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, check=False, **kw)  # no host read
@@ -3947,7 +3947,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     else:
         g = (-params["A_log"].float().exp() * F.softplus(mm(x, params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
     if split is not None:
-        o = split.gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
+        o = split.gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False)
     elif states is None:
         o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl, check=False)  # cu: checked by make_batch
     else:

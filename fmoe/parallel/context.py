@@ -101,7 +101,7 @@ from tensordict import TensorDict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fmoe.ops.checks import check_index, check_positive_int, holds_values
+from fmoe.ops.checks import check_bools, check_cu_seqlens, check_index, check_positive_int, holds_values
 from fmoe.ops.delta import check_rule_inputs, gated_delta_rule, gated_linear_attention
 from fmoe.ops.routing import Routes
 from fmoe.ops.scan import check_scan_inputs, selective_scan
@@ -307,9 +307,11 @@ def conv_halo(x: torch.Tensor, n: int, cp_mesh: DeviceMesh) -> torch.Tensor:
     return torch.stack([head, every[2 * cp - 2 - rank]])
 
 
-def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, scale=None, chunk_size: int = 64, impl: str = "auto"):
+def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, scale=None, chunk_size: int = 64, impl: str = "auto",
+                        check: bool = True):
     """fmoe.ops.gated_delta_rule over a context-parallel split: this rank's outputs of the
-    rule over the whole packed micro-batch, exact (to float32 rounding), no host sync.
+    rule over the whole packed micro-batch, exact (to float32 rounding), no host sync with
+    check=False.
 
     The state is linear in the state a chunk starts from: after a chunk of L tokens,
     S_end = B + A S_start, and each output o_t = o0_t + u_t S_start, where B and o0 are the
@@ -332,40 +334,47 @@ def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, sc
             then its tail chunk (split_batch's order).
         cu_seqlens: [n + 1] the WHOLE micro-batch's document bounds (split_batch keeps them).
         cp_mesh: the cp axis (1-D). scale, chunk_size, impl: gated_delta_rule's.
+        check: read cu_seqlens (bounds of the whole T = cp T/cp tokens) and this rank's
+            largest g (<= 0), as gated_delta_rule's check (a device->host sync); fmoe's
+            layers pass False (make_batch checked the batch).
     Returns:
         o [1, T/cp, N, Dv] in v's dtype: rows token_index of the rule over the whole batch.
     """
     if not isinstance(beta, torch.Tensor):
         raise ValueError(f"beta: expected this rank's [1, T/cp, N] (gated_linear_attention_cp is the rule without it), got {type(beta).__name__}")
-    return _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh, scale=scale, chunk_size=chunk_size, impl=impl)
+    return _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh, check, scale=scale, chunk_size=chunk_size, impl=impl)
 
 
-def _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, **kwargs) -> torch.Tensor:
+def _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, check: bool, **kwargs) -> torch.Tensor:
     """gated_delta_rule_cp, or gated_linear_attention_cp with beta None."""
+    check_bools(check=check)
     _check_cp_mesh(cp_mesh)
     check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected this rank's [1, T/cp, N, Dk], got {getattr(q, 'shape', type(q).__name__)}")
-    check_rule_inputs(q, k, v, g, beta, None, kwargs.get("scale"), None)  # this rank's shapes, as gated_delta_rule names them
+    check_rule_inputs(q, k, v, g, beta, None, kwargs.get("scale"), None, check=check)  # this rank's, as gated_delta_rule names them
     L = _halves("q", q.shape[1])
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    check_cu_seqlens(cu_seqlens, 2 * L * cp, check=check, like=("q", q))  # the whole micro-batch's
     outs, ends = _rule_chunks(q, k, v, g, beta, cu_seqlens, cp, rank, **kwargs)
     every = (ends if cp == 1 else _gather(ends, cp_mesh))[_chunk_rows(cp)]  # [2 cp, ...] global chunk order
     return _rule_outputs(outs, every, cu_seqlens, L, cp, rank).to(v.dtype)
 
 
-def gated_linear_attention_cp(q, k, v, g, cu_seqlens, cp_mesh: DeviceMesh, *, scale=None, chunk_size: int = 64, impl: str = "auto"):
+def gated_linear_attention_cp(q, k, v, g, cu_seqlens, cp_mesh: DeviceMesh, *, scale=None, chunk_size: int = 64, impl: str = "auto",
+                              check: bool = True):
     """fmoe.ops.gated_linear_attention over a context-parallel split (MiniMax's lightning
     attention): gated_delta_rule_cp without the rule, the same exchange (the state after a
     chunk is as linear in the state it starts from; A is the chunk's decay). Arguments and
     result as gated_delta_rule_cp's, without beta."""
-    return _rule_cp(q, k, v, g, None, cu_seqlens, cp_mesh, scale=scale, chunk_size=chunk_size, impl=impl)
+    return _rule_cp(q, k, v, g, None, cu_seqlens, cp_mesh, check, scale=scale, chunk_size=chunk_size, impl=impl)
 
 
-def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_size: int = 64, impl: str = "auto") -> torch.Tensor:
+def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_size: int = 64, impl: str = "auto",
+                      check: bool = True) -> torch.Tensor:
     """fmoe.ops.selective_scan (Mamba-1's scan) over a context-parallel split: this rank's
     outputs of the scan over the whole packed micro-batch, exact (to float32 rounding), no
-    host sync.
+    host sync with check=False.
 
     The state is diagonal-linear in the state a chunk starts from: after a chunk, h_end =
     B + A * h_start elementwise, B the chunk's end state from h_start = 0 and A the product
@@ -382,16 +391,21 @@ def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_
             chunk then its tail chunk (split_batch's order).
         cu_seqlens: [n + 1] the WHOLE micro-batch's document bounds (split_batch keeps them).
         cp_mesh: the cp axis (1-D). chunk_size, impl: selective_scan's.
+        check: read cu_seqlens (bounds of the whole T = cp T/cp tokens), A <= 0 and this
+            rank's dt >= 0, as selective_scan's check (a device->host sync); fmoe's layers
+            pass False (make_batch checked the batch).
     Returns:
         y [1, T/cp, C] float32: rows token_index of the scan over the whole batch.
     """
+    check_bools(check=check)
     _check_cp_mesh(cp_mesh)
     check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
     if not isinstance(u, torch.Tensor) or u.ndim != 3 or u.shape[0] != 1:
         raise ValueError(f"u: expected this rank's [1, T/cp, C], got {getattr(u, 'shape', type(u).__name__)}")
-    check_scan_inputs(u, dt, A, b, c, None, None)  # this rank's shapes, as selective_scan names them
+    check_scan_inputs(u, dt, A, b, c, None, None, check=check)  # this rank's, as selective_scan names them
     L = _halves("u", u.shape[1])
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    check_cu_seqlens(cu_seqlens, 2 * L * cp, check=check, like=("u", u))  # the whole micro-batch's
     cu = cu_seqlens.long()
     chunks = (rank, 2 * cp - 1 - rank)
     rows = [slice(slot * L, (slot + 1) * L) for slot in range(2)]

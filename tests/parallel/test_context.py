@@ -482,6 +482,24 @@ def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
     u, dt, b, c, A = torch.randn(1, 8, 5), torch.rand(1, 8, 5), torch.randn(1, 8, 3), torch.randn(1, 8, 3), -torch.rand(5, 3)
     with pytest.raises(ValueError, match=r"^dt: expected \[1, 8, 5\] \(of u's B, T, C and A's N\) on cpu, got \[1, 6, 5\]"):  # the shapes passed, not a chunk's
         selective_scan_cp(u, dt[:, :6], A, b, c, torch.tensor([0, 8]), one_rank_mesh)
+    # values, as the ops' check reads them (the cp forms ran over a growing state and bounds that pack no documents)
+    up = g.detach().clone()
+    up[0, 5, 1] = 0.5
+    for fn, rule in ((gated_delta_rule_cp, (beta,)), (gated_linear_attention_cp, ())):
+        with pytest.raises(ValueError, match=r"^g: expected the log of each token's decay .*got a largest value of 0.5"):
+            fn(q, k, v, up, *rule, torch.tensor([0, 8]), one_rank_mesh)
+        with pytest.raises(ValueError, match=r"^cu_seqlens: must end at the token count 8, ends at 6"):
+            fn(q, k, v, g, *rule, torch.tensor([0, 6]), one_rank_mesh)
+        with pytest.raises(ValueError, match=r"^check: expected a bool, got 'no'"):
+            fn(q, k, v, g, *rule, torch.tensor([0, 8]), one_rank_mesh, check="no")
+        assert fn(q, k, v, up, *rule, torch.tensor([0, 8]), one_rank_mesh, check=False).isfinite().all()  # the layers' call: no host read
+    with pytest.raises(ValueError, match=r"^A: expected <= 0 \(a positive rate grows the state without bound\), got "):
+        selective_scan_cp(u, dt, -A, b, c, torch.tensor([0, 8]), one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^dt: expected >= 0 \(softplus's\), got -"):
+        selective_scan_cp(u, -dt, A, b, c, torch.tensor([0, 8]), one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: must be non-decreasing"):
+        selective_scan_cp(u, dt, A, b, c, torch.tensor([0, 5, 3, 8]), one_rank_mesh)
+    assert selective_scan_cp(u, -dt, A, b, c, torch.tensor([0, 8]), one_rank_mesh, check=False).shape == (1, 8, 5)
     from fmoe.parallel import conv_halo
 
     x = torch.arange(24.0).view(8, 3)
