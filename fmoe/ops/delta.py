@@ -519,6 +519,6 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
     before = states[:, :-1]  # the state each chunk starts from
     u_RMCV = w_v if beta is None else w_v - w_k @ before
     o_RMCV = q_in_BNMCK.reshape(R, M, C, Dk) @ before + scores_BNMCC.reshape(R, M, C, C) @ u_RMCV
-    o = o_RMCV.reshape(B, N, M * C, Dv)[:, :, :T].transpose(1, 2).to(v.dtype)
-    state_BNKV = states[:, -1].reshape(B, N, Dk, Dv)
+    o = o_RMCV.reshape(B, N, M * C, Dv)[:, :, :T].transpose(1, 2).to(v.dtype, memory_format=torch.contiguous_format).contiguous()  # one copy: o.view works
+    state_BNKV = states[:, -1].reshape(B, N, Dk, Dv).contiguous()
     return (o, state_BNKV) if final_state else o

@@ -245,6 +245,24 @@ def test_bounds_that_pack_no_documents_are_refused(rule, bounds):
             fn(q, k, v, up, *rest)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_are_contiguous(dtype):
+    """o and the final state are contiguous, as the loop's (o.view(B, T, N * Dv) failed on the
+    chunked form's transposed o); the scan's y and state through it alike."""
+    from fmoe.ops import selective_scan
+
+    q, k, v, g, beta = _inputs(2, 7, 2, 4, 3)
+    v = v.to(dtype)
+    for o, state in (gated_delta_rule(q, k, v, g, beta, chunk_size=4, final_state=True),
+                     gated_linear_attention(q, k, v, g, chunk_size=4, final_state=True),
+                     gated_delta_rule_loop(q, k, v, g, beta, final_state=True)):
+        assert o.dtype == dtype and o.is_contiguous() and state.is_contiguous()
+        assert o.view(2, 7, 6).shape == (2, 7, 6)
+    y, h = selective_scan(q[..., 0, :3].to(dtype), -g[..., 0, None].expand(2, 7, 3), -torch.rand(3, 2), k[..., 0, :2], q[..., 1, :2],
+                          final_state=True, impl="torch")
+    assert y.is_contiguous() and h.is_contiguous() and y.view(14, 3).shape == (14, 3)
+
+
 @pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_compiles_whole(impl, channels):
