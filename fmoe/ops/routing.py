@@ -620,6 +620,7 @@ def hash_route(
         ([[3, 2]], [0.1192, 0.8808])
     """
     check_float("logits", logits, 2, "[T, E]")
+    check_experts("logits", logits)
     T, E = logits.shape
     check_index("token_ids", token_ids, 1, "[T]")
     if token_ids.shape[0] != T:

@@ -291,6 +291,7 @@ def test_hash_route_bad_inputs():
     x, table, ids = torch.randn(4, 6), torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([0, 1, 2, 1])
     _raises("logits: expected a 2-D", F.hash_route, torch.randn(6), ids, table)
     _raises(r"token_ids: expected a 1-D tensor \[T\]", F.hash_route, x, ids[None], table)
+    _raises(r"^logits: expected at least one expert \(E >= 1\), got shape \(4, 0\)", F.hash_route, x[:, :0], ids, table)  # "k in 1..0"
     _raises("token_ids: expected dtype int32 or int64", F.hash_route, x, ids.float(), table)
     _raises(r"token_ids: expected one id per row of logits, \[4\], got \[3\]", F.hash_route, x, ids[:3], table)
     _raises(r"table: expected a 2-D tensor \[V, k\]", F.hash_route, x, ids, table[0])
