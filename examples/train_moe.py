@@ -1147,21 +1147,23 @@ def main(argv: list[str]) -> None:
             step_tokens = n_micro * cfg.tokens_per_micro_batch
             routed = sum(int(layout["routed_tokens"]) for layout in layouts)  # host values
             tokens_seen += step_tokens
-            if val_batches and (step % cfg.eval_every == 0 or step == last):
-                with phase("eval"):
-                    record["val_loss"], record["val_loss_by_source"] = evaluate()
             # the one transfer of the step: every logged value and count comes to the host here
             if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share (and the zero experts')
                 record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k,
                                                   zero_experts=model_cfg.zero_experts))
             record = metrics.to_host({**record, "grad_norm": norm, "param_norm": weight_norm, "zero_grads": zero_grads})
             stopping = record.pop("stop_requests") > 0  # the same on every rank
-            if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
-                record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0  # the training step's (synced by the transfer): the evaluation is timed apart
             joules = energy.joules_since_last()  # every rank's device since the last step (after the step's sync); None off CUDA
             if joules is not None:
                 record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
+            if val_batches and (step % cfg.eval_every == 0 or step == last):
+                with phase("eval"):
+                    t_eval = time.perf_counter()
+                    val_loss, by_source = metrics.to_host(dict(zip(("val_loss", "by_source"), evaluate()))).values()
+                    record.update(val_loss=val_loss, val_loss_by_source=dict(zip(val_names, by_source)),  # source -> its tokens' mean
+                                  eval_seconds=time.perf_counter() - t_eval)
+                    energy.joules_since_last()  # the evaluation's, counted in no step's energy_j
             # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
             n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in layouts) / n_micro
             n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in layouts) / n_micro
@@ -1232,8 +1234,9 @@ def main(argv: list[str]) -> None:
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
         unit = "byte" if corpus.byte_tokens else "token"
         print(f"{ended}: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
-    elif rank == 0 and not val_batches:
-        print(f"{ended}: step {step}, loss {record['loss']:.4f} (no validation: --eval_batches=0)")
+    elif rank == 0:  # no validation, or a stop (a signal, the time limit) at a step without one: no time spent on one there
+        print(f"{ended}: step {step}, loss {record['loss']:.4f} "
+              f"({'no validation: --eval_batches=0' if not val_batches else f'no validation at this step: every --eval_every={cfg.eval_every}'})")
     if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
         counters = torch._dynamo.utils.counters
         print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")

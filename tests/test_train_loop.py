@@ -11,6 +11,7 @@ import pathlib
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -480,18 +481,36 @@ def test_the_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continue
     (exit 0), with step 1's checkpoint though --ckpt_every is larger; --resume then logs the
     uninterrupted run's losses."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert _train(whole, "--steps=4", "--deterministic", "--eval_every=1").returncode == 0
-    first = _train(parts, "--steps=4", "--deterministic", "--eval_every=1", "--stop_after_minutes=1e-9")
+    assert _train(whole, "--steps=4", "--deterministic", "--eval_every=3").returncode == 0
+    first = _train(parts, "--steps=4", "--deterministic", "--eval_every=3", "--stop_after_minutes=1e-9")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "step 1: stopping on the time limit of 1e-09 minutes, with the checkpoint of step 1; --resume continues the run" in first.stdout
-    # the last line says the run stopped: "done" (printed before) ended a job loop that resubmits until it is
-    assert re.search(r"^stopped: step 1, validation loss ", first.stdout, flags=re.M) and "done:" not in first.stdout, first.stdout
+    # the last line says the run stopped: "done" (printed before) ended a job loop that resubmits until it is; a stop at a
+    # step without validation printed no such line
+    assert re.search(r"^stopped: step 1, loss [0-9.]+ \(no validation at this step: every --eval_every=3\)$", first.stdout.splitlines()[-1]), first.stdout
+    assert "done:" not in first.stdout and "val_loss" not in _records(parts)[0]
     assert [r["step"] for r in _records(parts)] == [1] and sorted(p.name for p in parts.glob("step_*")) == ["step_000001"]
-    second = _train(parts, "--steps=4", "--deterministic", "--eval_every=1", "--resume")
+    second = _train(parts, "--steps=4", "--deterministic", "--eval_every=3", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert re.search(r"^done: step 4, validation loss ", second.stdout, flags=re.M), second.stdout
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
+
+
+def test_a_step_s_speed_leaves_its_validation_out(tmp_path):
+    """tokens_per_s (and mfu, energy_j) time the training step: a step that evaluates times
+    the validation apart (eval_seconds). It counted it: with 16 validation micro-batches
+    beside a step of one, the steps that evaluated read 5-9x slower."""
+    run = _train(tmp_path, "--steps=6", "--eval_every=2", "--eval_batches=16", "--batch_schedule=0:1", "--val_percent=30")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = _records(tmp_path)
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6] and all(r["eval_seconds"] > 0 for r in evals)
+    assert not any("eval_seconds" in r for r in records if "val_loss" not in r)
+    trains = [r["tokens_per_s"] for r in records if r["step"] in (3, 5)]  # step 1 warms up
+    assert statistics.median(r["tokens_per_s"] for r in evals) > 0.4 * statistics.median(trains), records
+    # the validation took longer than the step it followed (16 forwards against one forward and backward)
+    assert statistics.median(r["eval_seconds"] * r["tokens_per_s"] / 128 for r in evals) > 1.5
 
 
 def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):
@@ -512,6 +531,7 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 1000
     assert f"step {last}: stopping on SIGTERM, with the checkpoint of step {last}; --resume continues the run" in out
+    assert out.splitlines()[-1].startswith(f"stopped: step {last}, "), out[-2000:]  # with its validation loss or the step's loss
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{last:06d}"]
 
 

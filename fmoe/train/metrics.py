@@ -46,8 +46,8 @@ the shared-expert gate (6 H per MoE layer), softmax, RoPE and other elementwise 
 
 Metric records (one JSON object per line of `<out_dir>/metrics.jsonl`): step, and what the
 loop passes: loss, lm_loss, lr, tokens, grad_norm, tokens_per_s (the step's tokens over its
-wall-clock time, which on a step that evaluates includes the evaluation; mfu likewise),
-val_loss, seq_aux_loss, aux_loss, z_loss, mtp_<d>_loss (each MTP depth d's: mtp_1_loss,
+training wall-clock time: a step that evaluates times the evaluation apart, eval_seconds;
+mfu and energy_j likewise), val_loss, seq_aux_loss, aux_loss, z_loss, mtp_<d>_loss (each MTP depth d's: mtp_1_loss,
 ...), mfu, loss_tokens and
 padding_tokens (of the step's tokens, those whose label counts and those that are
 --whole_documents padding), ... and, per MoE layer (lists in layer order, see layer_loads):

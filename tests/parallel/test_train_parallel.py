@@ -229,7 +229,7 @@ def test_a_run_among_others_in_one_launch_logs_what_it_logs_alone(parallel_runs,
     if "tp2-aux" not in before or before.index("tp2-aux") < 2:
         pytest.skip("tp2-aux is not selected after two other 2-rank runs of its launch: run the whole module")
     nproc, args = RUNS["tp2-aux"]
-    timing = {"tokens_per_s", "eta_seconds"}
+    timing = {"tokens_per_s", "eta_seconds", "eval_seconds"}
     together = [{k: v for k, v in r.items() if k not in timing} for r in parallel_runs("tp2-aux")]
     alone = [{k: v for k, v in r.items() if k not in timing} for r in _train(tmp_path, nproc, *args)]
     assert together == alone
