@@ -266,11 +266,13 @@ def _lr_schedule(knobs: dict, warmup: int, wsd_decay: int) -> dict:
                 style=knobs["lr_style"], wsd_decay=wsd_decay if knobs["lr_style"] == "wsd" else 0, wsd_style=knobs["wsd_style"])
 
 
-def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.Optional[str]:
-    """A note where a resumed run's learning rate for step+1, `lr` (this run's schedule),
-    is not what the run's own schedule gave (its config.json: --steps raised to extend a
-    cosine or WSD run sends it back up), naming the schedule knobs that changed; None where
-    it is the same, or the run's config.json holds no schedule to compare with."""
+def _schedule_change(out_dir: str, step: int, cfg: Config, schedule: dict) -> typing.Optional[str]:
+    """A note where a resumed run's learning rate for step+1 by this run's schedule
+    (`schedule`: lr_at's keywords) is not what the run's own schedule gave (its config.json:
+    --steps raised to extend a cosine or WSD run sends it back up), naming the schedule knobs
+    that changed and the warmup and WSD decay they resolved to where those changed with
+    them; None where it is the same, or the run's config.json holds no schedule to compare with."""
+    lr = cfg.lr * lr_at(step, **schedule)
     try:
         run = saved_config(out_dir)
         was = run["config"]
@@ -279,7 +281,11 @@ def _schedule_change(out_dir: str, step: int, cfg: Config, lr: float) -> typing.
         return None
     if math.isclose(then, lr, rel_tol=1e-9, abs_tol=1e-15):
         return None
-    changed = ", ".join(f"--{k}={getattr(cfg, k)} (was {was[k]})" for k in SCHEDULE_KNOBS if k in was and was[k] != getattr(cfg, k))
+    changed = [f"--{k}={getattr(cfg, k)} (was {was[k]})" for k in SCHEDULE_KNOBS if k in was and was[k] != getattr(cfg, k)]
+    # the steps the defaults resolve to (a --warmup of -1 is a tenth of --steps, up to 20): changed with --steps
+    changed += [f"{what} {schedule[key]} steps (was {run[key]})" for key, what in (("warmup", "warmup"), ("wsd_decay", "WSD decay"))
+                if schedule[key] != run[key] and was.get(key) == getattr(cfg, key) and (key == "warmup" or cfg.lr_style == "wsd")]
+    changed = ", ".join(changed)
     return (f"note: step {step + 1} runs at a learning rate of {lr:.4g} by this run's schedule, where the run's own gave {then:.4g}"
             + (f": {changed}" if changed else "") + "; a resumed run follows the schedule of its knobs")
 
@@ -778,7 +784,7 @@ def main(argv: list[str]) -> None:
         checkpoint.set_rng_state(extra["rng"])
         if rank == 0:
             print(f"resumed from {path} at step {step}")
-            if step < last and (note := _schedule_change(cfg.out_dir, step, cfg, cfg.lr * lr_at(step, **schedule))):
+            if step < last and (note := _schedule_change(cfg.out_dir, step, cfg, schedule)):
                 print(note, flush=True)
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:

@@ -457,6 +457,13 @@ def test_a_resume_whose_schedule_changed_says_so(tmp_path):
     said = re.search(r"^note: step 4 runs at a learning rate of ([\d.e-]+) by this run's schedule, where the run's own gave ([\d.e-]+): "
                      r"--steps=8 \(was 4\); a resumed run follows the schedule of its knobs$", longer.stdout, flags=re.M)
     assert said and float(said.group(1)) == pytest.approx(lr[4], rel=1e-3) and float(said.group(2)) < float(said.group(1)), longer.stdout
+    # the default warmup (a tenth of --steps) moved with --steps: named, as the reason the rate fell mid-warmup
+    default = tmp_path / "default"
+    assert _train(default, "--steps=50", "--eval_batches=0", "--warmup=-1", "--stop_at=2").returncode == 0
+    extended = _train(default, "--steps=300", "--eval_batches=0", "--warmup=-1", "--stop_at=3", "--resume")
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert re.search(r"^note: step 3 runs at a learning rate of [\d.e-]+ by this run's schedule, where the run's own gave [\d.e-]+: "
+                     r"--steps=300 \(was 50\), warmup 20 steps \(was 5\); a resumed run", extended.stdout, flags=re.M), extended.stdout
 
 
 def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
