@@ -873,6 +873,9 @@ def main(argv: list[str]) -> None:
                          for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
               f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
+        if warmup >= cfg.steps and cfg.lr > cfg.init_lr:  # step n trains at the rate after n - 1 steps: the last below the peak
+            print(f"note: the warmup ({warmup} steps, --warmup) lasts the whole run (--steps={cfg.steps}): no step trains at --lr={cfg.lr:g} "
+                  f"(the last at {cfg.lr * lr_at(cfg.steps - 1, **schedule):.4g})", flush=True)
         planned = tokens_seen  # the tokens the run reads up to --steps, by the batch schedule
         pairs = parse_batch_schedule(cfg.batch_schedule)
         for done in range(step, cfg.steps):

@@ -219,6 +219,7 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     assert "energy_j" not in last and last["tokens_by_source"] == {"stdlib": 256}
     assert last["val_loss_by_source"] == {"stdlib": pytest.approx(last["val_loss"], rel=1e-6)}  # one source: the mean itself
     assert "val_loss_by_source" not in records[10] and "; by source" not in run.stdout
+    assert "lasts the whole run" not in run.stdout  # a warmup of 3 in 30 steps
     assert f"(bits per byte {last['val_loss'] / math.log(2):.3f})" in run.stdout.splitlines()[-1]  # the byte corpus
     assert sum(last["tokens_per_expert"][0]) == 2 * 128 * 2 and last["dropped_fraction"] == [0.0, 0.0]  # layer_1, mtp_1
     assert (tmp_path / "step_000030").is_dir()  # a run always ends with a complete checkpoint
@@ -481,6 +482,9 @@ def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
     (data / "all.txt").unlink()
     run = _train(tmp_path / "run2", f"--data={data}", "--steps=3", "--eval_batches=0")
     assert run.returncode == 0 and "note: one document" not in run.stdout, run.stdout
+    # TINY's warmup of 3 steps is the whole run: step n trains at the rate after n - 1 steps, so none at --lr
+    assert "note: the warmup (3 steps, --warmup) lasts the whole run (--steps=3): no step trains at --lr=0.01 (the last at 0.006667)" in run.stdout
+    assert {r["step"]: r["lr"] for r in _records(tmp_path / "run2")}[3] == pytest.approx(0.01 * 2 / 3)
 
 
 def test_the_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(tmp_path):
