@@ -354,17 +354,21 @@ def test_capped_swiglu_triton_matches_its_formula(dtype, device):
     up = torch.cat([3 * torch.randn(300, generator=g), torch.tensor([-limit, limit, -9.0, limit + 1e-3])]).to(device, dtype)
     grad_h = torch.randn(gate.shape, generator=g).to(device, dtype)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
-    for glu in (dict(limit=limit), dict(alpha=1.702, limit=limit, offset=1.0)):
-        alpha = glu.get("alpha", 1.0)
+    # limits below the activation's minimum (-0.2785 / alpha): the cap is one-sided, no floor at -limit
+    for glu in (dict(limit=limit), dict(alpha=1.702, limit=limit, offset=1.0), dict(limit=0.1), dict(alpha=1.702, limit=0.05)):
+        alpha, lim = glu.get("alpha", 1.0), glu["limit"]
 
         def formula(g, u):
-            return (g * torch.sigmoid(alpha * g)).clamp(max=limit) * (u.clamp(-limit, limit) + glu.get("offset", 0.0))
+            return (g * torch.sigmoid(alpha * g)).clamp(max=lim) * (u.clamp(-lim, lim) + glu.get("offset", 0.0))
 
-        capped = gate.double() * torch.sigmoid(alpha * gate.double()) >= limit
+        act = gate.double() * torch.sigmoid(alpha * gate.double())
+        capped = act >= lim
         for _, grad_gate, grad_up in _swiglu_against_float64(gate, up, grad_h, formula, dict(glu, act="silu_cap"), tol).values():
-            assert (grad_gate[capped] == 0).all() and (grad_up[up.abs() > limit] == 0).all()
-            assert (grad_gate[(gate > limit) & ~capped] != 0).all()  # a gate past the limit whose activation is not: 1.5 sigmoid(1.5) < 1.5
-        assert int(capped.sum()) > 10 and int(((gate > limit) & ~capped).sum()) >= 1
+            assert (grad_gate[capped] == 0).all() and (grad_up[up.abs() > lim] == 0).all()
+            assert (grad_gate[(gate > lim) & ~capped] != 0).all()  # a gate past the limit whose activation is not: 1.5 sigmoid(1.5) < 1.5
+            assert (grad_gate[act < -lim] != 0).all()  # below -limit the activation passes (a floor cut these)
+        assert int(capped.sum()) > 10 and (lim < 1 or int(((gate > lim) & ~capped).sum()) >= 1)
+        assert lim > 0.3 or int((act < -lim).sum()) > 10
         assert not torch.allclose(swiglu(gate, up, act="silu_cap", impl="torch", **glu), swiglu(gate, up, impl="torch", **glu))
     # min(silu(3), 2) * clamp(5, -2, 2) = 2 * 2; the gate-clamped form gives silu(2) * 2
     assert swiglu(torch.tensor([3.0]), torch.tensor([5.0]), limit=2.0, act="silu_cap").item() == 4.0
