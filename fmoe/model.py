@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import re
 from typing import Optional
 
 import torch
@@ -82,17 +83,23 @@ LINEAR_FIELDS = dict(n_k_heads="linear_k_heads", n_v_heads="linear_v_heads", k_h
 
 
 @contextlib.contextmanager
-def _named_as(fields: dict):
-    """A ValueError whose message starts with a key of fields ("name: ...") raised again with
-    that key's value as its name: a block config's field named as the TransformerConfig field
-    it was built from."""
+def _named_as(fields: dict, body: Optional[dict] = None):
+    """A ValueError ("name: ..." or "name / name: ...") raised again with the block config's
+    fields named as the TransformerConfig fields they were built from: a leading key of
+    fields by its value, and the keys with an underscore (identifiers, not words) in the
+    rest of the message by body's value where body holds the key, else fields' ("rope_last:
+    rotates the last rope_dim channels", not rot_dim)."""
     try:
         yield
     except ValueError as e:
         name, sep, rest = str(e).partition(":")
-        if not sep or name not in fields:
+        words = {key: own for key, own in {**fields, **(body or {})}.items() if "_" in key}
+        pattern = r"(?<![\w.])(" + "|".join(map(re.escape, sorted(words, key=len, reverse=True))) + r")(?!\w)"
+        renamed = re.sub(pattern, lambda m: words[m.group(1)], rest) if words else rest
+        names = name.split(" / ")  # "n_k_heads / v_head_dim: ..." names two fields
+        if not sep or (not any(n in fields for n in names) and renamed == rest):
             raise
-        raise ValueError(f"{fields[name]}:{rest}") from None
+        raise ValueError(f"{' / '.join(fields.get(n, n) for n in names)}:{renamed}") from None
 
 
 def recompute(fn, *args):
@@ -1779,7 +1786,7 @@ class TransformerConfig:
         if local:
             fields.update({name: own for name, own in (("n_heads", "local_heads"), ("n_kv_heads", "local_kv_heads"), ("head_dim", "local_head_dim"))
                            if getattr(self, own) is not None})
-        with _named_as(fields):
+        with _named_as(fields, body=dict(rot_dim="rope_dim")):  # the message's rot_dim: the field, None or not
             return AttentionConfig(
                 n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
                 n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,

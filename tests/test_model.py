@@ -658,7 +658,7 @@ def test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start():
                           (dict(linear_dt_bc_norm="none", linear_dt_rank=4, linear_kind="mamba2"),
                            r"linear_dt_rank: a knob of Mamba-1's mixer, needs linear_layers and linear_kind='mamba1'"),
                           (dict(linear_dt_bc_norm="layer"), r"dt_bc_norm: expected one of \('none', 'rms', 'rms_unit'\)"),
-                          (dict(linear_k_heads=2), r"n_k_heads / v_head_dim: Mamba-1's B and C are one group"),
+                          (dict(linear_k_heads=2), r"^linear_k_heads / linear_v_dim: Mamba-1's B and C are one group"),
                           # only None is Mamba's "auto" rank (0 and False were taken as it)
                           (dict(linear_dt_rank=0), r"linear_dt_rank: expected an int >= 1 \(the rank of Mamba-1's dt projection\), got 0"),
                           (dict(linear_dt_rank=False), r"linear_dt_rank: expected an int >= 1 .*, got False"),
@@ -1304,7 +1304,11 @@ def test_bad_configs():
                          (dict(index_rope_interleaved=True), "index_rope_interleaved: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
                          (dict(linear_layers=(0,), linear_conv=0), "linear_conv: expected >= 1, got 0"),
                          (dict(linear_layers=(0,), linear_kind="mamba2", linear_gate_norm="x"), "linear_gate_norm: expected one of"),
-                         (dict(query_temperature_floor=4, query_temperature_scale=float("nan")), "query_temperature_scale: expected a finite number")):
+                         (dict(query_temperature_floor=4, query_temperature_scale=float("nan")), "query_temperature_scale: expected a finite number"),
+                         # the block configs' own names inside the message too (it said "the last rot_dim channels ... got rot_dim None")
+                         (dict(rope_last=True), r"^rope_last: rotates the last rope_dim channels of each head, needs rope_dim < head_dim = 32, got rope_dim None$"),
+                         (dict(kv_rank=8, q_rank=8, rope_dim=8, index_topk=4, index_heads=2, index_head_dim=2),
+                          r"^index_head_dim: the indexer rotates rope_dim = 8 of its channels, expected index_head_dim >= rope_dim, got 2")):
         with pytest.raises(ValueError, match=said):
             TransformerConfig(**kwargs)
     with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head', 'rms' or 'head_k'\), got qk_norm='proj'"):
