@@ -514,6 +514,42 @@ def test_bench_moe_layer_strong_baseline_is_sync_free_and_combines_in_the_activa
     assert y.dtype == torch.bfloat16 and big == [], big
 
 
+
+@pytest.mark.parametrize("shared", [0, 1, 2])
+def test_bench_moe_layer_titan_baseline_matches_the_loop_and_gathers(monkeypatch, shared):
+    """titan_moe (torchtitan's pattern: torch.gather dispatch, float32 weighting, scatter_add onto
+    the shared experts' output) gives the per-expert loop's output and gradients, with and
+    without shared experts, reading nothing on the host (no torch.bincount), and gathers x's
+    rows with torch.gather (whose backward is a scatter_add), not x[token]."""
+    _common()
+    import bench_moe_layer as bml
+
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: (_ for _ in ()).throw(AssertionError("torch.bincount: a host read on CUDA")))
+    shape = bml.Shape("A (smoke)", 32, 32, 8, 2, 16, n_shared=shared)
+    torch.manual_seed(0)
+    p = bml.make_params(shape, torch.float32, torch.device("cpu"))
+    x = torch.randn(32, 32, requires_grad=True)
+    leaves, dy = [x, *p.values()], torch.randn(32, 32)
+    titan, loop, strong = bml.titan_moe(x, p, 2), bml.loop_moe(x, p, 2), bml.strong_moe(x, p, 2)
+    expected = (loop, *torch.autograd.grad(loop, leaves, dy))
+    for got in (titan, strong):
+        for a, b in zip((got, *torch.autograd.grad(got, leaves, dy, retain_graph=got is titan)), expected):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert titan.grad_fn.name() == "ScatterAddBackward0"  # onto the shared output (or zeros): no add after
+
+    on_x = []  # the functions called on x itself
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if args and args[0] is x:
+                on_x.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        bml.titan_moe(x, p, 2)
+    assert "gather" in on_x and "__getitem__" not in on_x, on_x
+
+
 def test_bench_decode_counts_the_routed_experts_and_the_rows_a_position_sees():
     """floor_bytes counts the experts the step routed to (routed_experts: each block's distinct
     experts, at most min(E, B k)) and the rows the decoded position sees, itself included:
