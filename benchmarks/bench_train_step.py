@@ -53,14 +53,19 @@ fp8_fast_accum: the experts' grouped GEMMs with the tensor cores' own accumulato
 
 Columns: median ms per step, tokens/s, TFLOP/s (SPEC 8 FLOPs per token of this batch's
 documents, times tokens, over the time), MFU as the fraction of the bf16 matmul rate measured
-in the same run, peak memory, and the host syncs of one step: `syncs/step` for the whole
+in the same run and MFU_datasheet over the GPU's datasheet dense bf16 peak
+(fmoe.train.metrics.peak_flops, what examples/train_moe.py logs as mfu; empty off CUDA or
+for a GPU it does not know), the peak memory of one untimed step (the allocator's peak
+while it ran: weights, gradients, optimizer states, activations; not the timing's cache
+flush), and the host syncs of one step: `syncs/step` for the whole
 step (forward, losses, backward, clip, optimizer) and `fwd+bwd reads` for the model's
 forward and backward alone. On CUDA syncs/step counts what torch.cuda.set_sync_debug_mode
 reports plus the host reads of tensor values; on CPU (--smoke) it counts the host reads
 (.item, .tolist, .cpu, float/int/bool of a tensor: fmoe.train.metrics.HostReads), the
 stalls the same code makes on a GPU. The eager model's fwd+bwd reads are 0 (a test keeps
 them there); torch.compile's graphs are not instrumented, so their eager remainder is
-counted. Goal on an H100: MFU of at least 40% for "fmoe compiled", zero syncs per step.
+counted. Goal on an H100: MFU of at least 40% for "fmoe compiled" (the measured rate's:
+MFU; MFU_datasheet beside it), zero syncs per step.
 --smoke: float32 on CPU, the interpreter, a tiny model (SMOKE below, H=16, a batch of 32
 tokens in two documents); torch.compile with the aot_eager backend (the CPU inductor build
 takes minutes). CSV: OUT/bench_train_step.csv.
@@ -84,7 +89,7 @@ from fmoe.optim import AdamW, clip_factor, grad_norm  # noqa: E402
 from fmoe.train import metrics  # noqa: E402
 from fmoe.train.data import make_batch as pack  # noqa: E402
 
-COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB", "syncs/step", "fwd+bwd reads"]
+COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "MFU_datasheet", "peak_GiB", "syncs/step", "fwd+bwd reads"]
 
 SMALL = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
                         ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
@@ -207,8 +212,14 @@ def main() -> None:
             step()  # warm-up: compiles, allocates optimizer state
             syncs, reads = host_syncs(step, fwd_bwd, device)
             optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
+            peak = None
+            if device.type == "cuda":  # one untimed step alone: bench's cache flush (256 MiB) is not the step's
+                torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                optimizer.zero_grad(set_to_none=True)
             ms = bench(step, device, cpu_warmup=0, cpu_repeats=1, label=name)  # CPU: already warm; the interpreter is slow
         except torch.OutOfMemoryError:  # the reference's dense [T, T] attention at T = 16384
             print(f"{name}: out of memory (its row is left empty)", flush=True)
@@ -219,7 +230,8 @@ def main() -> None:
         tflops = flops_per_token * T / (ms * 1e-3) / 1e12
         rows.append({
             "impl": name, "model": label, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
-            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "MFU_datasheet": metrics.mfu(T / (ms * 1e-3), flops_per_token, metrics.peak_flops(device)),
+            "peak_GiB": peak,
             "syncs/step": syncs, "fwd+bwd reads": reads,
             "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token, "tokens": T,
         })
