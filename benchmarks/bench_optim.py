@@ -1,11 +1,11 @@
-"""Optimizer benchmark: one AdamW step over a 1B-parameter MoE-like set of tensors.
+"""Optimizer benchmark: one AdamW step over a 2.6B-parameter MoE-like set of tensors.
 
-    .venv/bin/python benchmarks/bench_optim.py            # CUDA, float32 params, 1B parameters
+    .venv/bin/python benchmarks/bench_optim.py            # CUDA, float32 params, 2.6B parameters
     .venv/bin/python benchmarks/bench_optim.py --smoke    # CPU + Triton interpreter, tiny set
 
-Tensors (per layer, 4 layers, ~1.07B parameters): attention 4 x [2048, 2048], dense MLP
-[2048, 8192] x 2, experts 128 x [2048, 768] x 3 stacks, norms [2048] x 2; --smoke: a few
-odd-sized tensors. Parameters and gradients float32 (the mixed-precision training layout).
+Tensors (per layer, 4 layers, 2,617,262,080 parameters, the experts 92% of them): attention
+4 x [2048, 2048], dense MLP [2048, 8192] x 2, experts 128 x [2048, 768] x 3 stacks, norms
+[2048] x 2; --smoke: a few odd-sized tensors. Parameters and gradients float32 (the mixed-precision training layout).
 
 Implementations (IMPLS: adding one is one entry; `extra_rows` times optimizers that take
 other parameters, i.e. Muon):
@@ -28,9 +28,14 @@ other parameters, i.e. Muon):
                     Moonlight's 0.2 sqrt(max(m, n)) scale: adjust_lr_fn "match_rms_adamw"):
                     Muon's baseline, the same work
 
+Before timing, one step of fmoe fp32 and fmoe bf16 is checked against torch's AdamW on
+copies of the first layer's tensors but its expert stacks (the same defaults: lr 1e-3,
+betas (0.9, 0.999), eps 1e-8, weight decay 0.01): the updates within 1e-3 (relative norm,
+printed).
+
 Columns: median ms per step, state GiB (moments and masters, not the step counters), the
-ratio of time to the baseline (the AdamW rows: torch fused, torch foreach on CPU; the Muon
-rows: torch muon, the same work; empty where torch has no Muon; the CSV's baseline column
+ratio of time to the baseline (the AdamW rows: torch fused, torch foreach on CPU; the
+clipped AdamW rows: torch fused + clip, the same work; the Muon rows: torch muon; empty where torch has no Muon; the CSV's baseline column
 names it), and the fraction of the bandwidth floor (AdamW rows; Muon is matmul-bound): bytes read and
 written per step (params read+write, grads read, each moment read+write, at their dtypes)
 over the copy bandwidth measured in the same run, divided by the time; the clipped rows
@@ -38,10 +43,13 @@ count one more read of the gradients (the norm), the least any clip + step moves
 fmoe bf16 at most 1.1x torch fused with half its state memory. CSV: OUT/bench_optim.csv.
 """
 
+import sys
+
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
     finish,
     floor_fraction,
+    rel_err,
     start,
 )
 
@@ -103,6 +111,30 @@ def make_params(smoke: bool, device: torch.device) -> list[torch.Tensor]:
     return params
 
 
+def check_adamw(params, device) -> None:
+    """One step of fmoe fp32 and fmoe bf16 against torch's AdamW (the baseline) on copies of
+    the first layer's tensors but its expert stacks: the same update, or the run stops."""
+    some = [p for p in params[:11] if p.numel() <= 1 << 25]
+
+    def stepped(make):
+        copies = []
+        for p in some:
+            c = p.detach().clone().requires_grad_()
+            c.grad = p.grad.clone()
+            copies.append(c)
+        make(copies, device).step()
+        return torch.cat([(c.detach() - p.detach()).flatten() for c, p in zip(copies, some)])  # the update
+
+    ref = stepped(lambda ps, dev: torch_fused(ps, dev) or torch_foreach(ps, dev))
+    worst = 0.0
+    for name, make in (("fmoe fp32", IMPLS["fmoe fp32"][0]), ("fmoe bf16", fmoe_bf16)):
+        err = rel_err(stepped(make), ref)
+        if err > 1e-3:
+            sys.exit(f"{name}: its step differs from torch's AdamW by {err:.3g} (relative norm of the update)")
+        worst = max(worst, err)
+    print(f"AdamW: fmoe's steps agree with torch's (updates within {worst:.2g}, relative norm); timing", flush=True)
+
+
 def state_bytes(opt) -> int:
     return sum(v.nbytes for s in opt.state.values() for k, v in s.items() if k != "step")
 
@@ -145,6 +177,7 @@ def main() -> None:
     params = make_params(args.smoke, device)
     n = sum(p.numel() for p in params)
     print(f"{len(params)} tensors, {n:,} parameters", flush=True)
+    check_adamw(params, device)
     rows = []
     for name, (make, clip) in IMPLS.items():
         opt = make(params, device)
@@ -163,8 +196,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     adamw_base = "torch fused" if device.type == "cuda" else "torch foreach"
-    for row in rows:
-        row["baseline"] = adamw_base
+    for row in rows:  # a clipped row against torch's clip and step
+        row["baseline"] = "torch fused + clip" if IMPLS[row["impl"]][1] is not None else adamw_base
     rows += extra_rows(params, device, bandwidth)
     ms = {row["impl"]: row["ms"] for row in rows}
     for row in rows:  # each row against the baseline doing its work: AdamW's against torch's AdamW, Muon's against torch's Muon
