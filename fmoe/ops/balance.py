@@ -573,11 +573,12 @@ def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[
         n = n_slots.to(device=counts.device)
     else:
         n = torch.tensor(check_positive_int("n_slots", n_slots, 0), device=counts.device)
-    # (n_slots - total) / n: for integer counts the difference is exact
+    # (n_slots - total) / n in float64: exact for integer counts, and half-precision counts are not
+    # summed in their own dtype (fp16 counts [10, 10] of 100000 slots gave inf: n itself overflowed)
     counts_f = counts.float()
     mean = counts_f.mean(dim=-1).clamp(min=1e-9)
     return {
         "max_over_mean": counts_f.amax(dim=-1) / mean,
         "cv": counts_f.std(dim=-1, correction=0) / mean,
-        "dropped_fraction": (n - counts.sum(dim=-1)).float() / n.clamp(min=1).float(),
+        "dropped_fraction": ((n.double() - counts.double().sum(dim=-1)) / n.double().clamp(min=1)).float(),
     }

@@ -533,6 +533,14 @@ def test_load_stats_layers_balance_and_edge_cases():
     torch.testing.assert_close(F.load_stats(torch.tensor([0, 0]), 0)["dropped_fraction"], torch.tensor(0.0))
     torch.testing.assert_close(F.load_stats(torch.tensor([0, 0]), torch.tensor(0))["dropped_fraction"], torch.tensor(0.0))
     torch.testing.assert_close(F.load_stats(torch.tensor([1, 1]), 0)["dropped_fraction"], torch.tensor(-2.0))
+    # half-precision counts (each exact in its dtype) were summed in it: fp16's 100000 slots overflowed (inf), fp16 counts
+    # [40000, 40000] summed to inf (nan), bf16 counts summing to 8224 of 8225 slots gave 0.0078
+    for counts, n, want in (([10, 10], 100000, 0.9998), ([40000, 40000], 80000, 0.0), ([4096, 4096, 32], 8225, 1 / 8225)):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int64):
+            if dtype == torch.bfloat16 and counts[0] == 40000:
+                continue  # 40000 is not a bf16 value
+            got = F.load_stats(torch.tensor(counts, dtype=dtype), n)["dropped_fraction"]
+            torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=0, msg=f"{dtype} {counts} of {n}")
 
 
 def test_load_stats_reads_nothing_on_the_host():
