@@ -8,8 +8,8 @@ settings (sandboxed, trim_blocks, lstrip_blocks, loop controls, a `tojson` that 
 non-ASCII, `raise_exception`, `strftime_now`, `{% generation %}` blocks rendered as plain
 text) and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables,
 `tools` (function definitions, or None) and `documents` (None); a message's reasoning given
-under one of REASONING_FIELDS is given under the others too ("reasoning_content" is what
-most templates read, "thinking" gpt-oss's), as transformers does.
+under one of REASONING_FIELDS is given under "reasoning_content" (what most templates read)
+and "thinking" (gpt-oss's) too, as transformers does; not under "reasoning".
 
 `ChatTemplate.documents(messages)` says what to train on (fmoe.train.prepare's
 --messages_key): the assistant's turn i is the text that rendering messages[:i + 1] adds to

@@ -227,6 +227,19 @@ def test_tools_reasoning_and_special_tokens_reach_the_template_as_in_transformer
             prepare(tmp_path / "bad.jsonl", tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
 
 
+@pytest.mark.parametrize("given", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_under_any_of_its_names_reaches_templates_that_read_thinking_or_reasoning_content(given):
+    """Reasoning given under any of REASONING_FIELDS renders in a template reading
+    message.thinking (gpt-oss's) and in one reading message.reasoning_content; "reasoning" is
+    not an alias (a template reading it sees only reasoning given under that name)."""
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", given: "add them"}]
+    for field in ("thinking", "reasoning_content", "reasoning"):
+        template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{% if m." + field + " %}[think:{{ m." + field + " }}]{% endif %}"
+                                "{{ m.content }}{% endfor %}")
+        shown = field != "reasoning" or given == "reasoning"
+        assert template.render(chat) == f"<user>2+2?<assistant>{'[think:add them]' if shown else ''}4", (given, field)
+
+
 # a default template that reads a message's optional field (as Llama 3.1's reads 'tool_calls')
 OPTIONAL_FIELD = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
                   "{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endgeneration %}"

@@ -107,6 +107,7 @@ def test_peaks_and_mfu():
     assert M.datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12
     assert M.datasheet_peak_flops("NVIDIA H200") == 989e12
     assert M.datasheet_peak_flops("NVIDIA H200 NVL") == 835e12  # not the SXM part's
+    assert M.datasheet_peak_flops("NVIDIA H100 NVL") == 835e12  # nor the H100 SXM's
     assert M.datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert M.datasheet_peak_flops("NVIDIA GeForce GTX 1080") is None
     assert M.peak_flops("cpu") is None

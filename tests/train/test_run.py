@@ -450,3 +450,11 @@ def test_saved_config_is_the_record_or_nothing(tmp_path):
         assert saved_config(tmp_path) == {}
     write_config(tmp_path, {"lr": 0.1})
     assert saved_config(tmp_path)["config"] == {"lr": 0.1} and "earlier_runs" not in saved_config(tmp_path)
+    # each resumed segment keeps every run before it, oldest first (a second resume kept only the last)
+    runs = [saved_config(tmp_path)["run"]]
+    for lr in (0.2, 0.3):
+        write_config(tmp_path, {"lr": lr})
+        saved = saved_config(tmp_path)
+        assert saved["config"] == {"lr": lr} and saved["earlier_runs"] == runs
+        runs.append(saved["run"])
+    assert len(runs) == 3
