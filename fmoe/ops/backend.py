@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 
@@ -33,6 +35,23 @@ def tanh(x):
     t = tl.exp(-2.0 * tl.abs(x))
     th = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -th, th)
+
+
+def autocast_off(fn):
+    """fn run with torch.autocast off (where it is on, on the CPU or CUDA): an op's torch path
+    upcasts as its definition says (float32 sums, logits in h's dtype, ...), as its
+    kernels do, which autocast passes by (custom ops); under autocast its float32 matmuls
+    and einsums would run in bf16 on the torch path alone."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        on = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+        if not on:
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device in on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return fn(*args, **kwargs)
+    return run
 
 
 def next_pow2(n: int) -> int:

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.backend import autocast_off, next_pow2, use_triton
 from fmoe.ops.checks import check_bools, check_cu_seqlens, check_float, check_positive_int, check_rows_and_state, checking, largest
 from fmoe.ops.packed import sequence_ids
 
@@ -127,6 +127,7 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
     return _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state, check)
 
 
+@autocast_off
 def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, check: bool = True):
     """gated_delta_rule_loop, or gated_linear_attention_loop with beta None."""
     check_bools(check=check)
@@ -453,6 +454,7 @@ def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, init
     return _loop(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state, check)
 
 
+@autocast_off
 def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str, check: bool = True):
     """gated_delta_rule (beta [B, T, N]) or gated_linear_attention (beta None: u = v, no solve)."""
     check_bools(check=check)  # "no" ran the checks, 0 skipped them

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import DOT_UPCAST, interpreting, next_pow2, use_triton
+from fmoe.ops.backend import DOT_UPCAST, autocast_off, interpreting, next_pow2, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES, check_device, check_float, checking, holds_values
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quantize
 
@@ -151,6 +151,7 @@ def _plus(y_RX: torch.Tensor, b_EX, expert_R) -> torch.Tensor:
     return y_RX + torch.cat([b_EX, b_EX.new_zeros(1, b_EX.shape[1])]).index_select(0, expert_R)
 
 
+@autocast_off
 def _matmul_ref(a_MK, b_KN):
     """a @ b accumulated in float32, rounded to a's dtype as the grouped GEMMs store it."""
     return (a_MK.float() @ b_KN.float()).to(a_MK.dtype)

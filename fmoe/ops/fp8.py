@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import IMPLS, next_pow2, use_triton
+from fmoe.ops.backend import IMPLS, autocast_off, next_pow2, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES
 
 E4M3 = torch.float8_e4m3fn
@@ -212,6 +212,7 @@ def _scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a, scale_b=scale_b, out_dtype=a_MK.dtype)
 
 
+@autocast_off
 def _gemm(a_MK: torch.Tensor, b_KN: torch.Tensor, scaled_mm: bool) -> torch.Tensor:
     if a_MK.shape[0] == 0 or a_MK.shape[1] == 0 or b_KN.shape[1] == 0:  # nothing to multiply
         return a_MK.new_zeros(a_MK.shape[0], b_KN.shape[1])

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.ops.backend import next_pow2, tanh, use_triton
+from fmoe.ops.backend import autocast_off, next_pow2, tanh, use_triton
 from fmoe.ops.checks import check_bools, check_device, check_float, check_index, check_positive_int, checking
 
 REDUCTIONS = ("mean", "sum")
@@ -75,6 +75,7 @@ def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap=None):
     return total / valid_N.sum().clamp(min=1) if mean else total
 
 
+@autocast_off
 def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V=None, softcap=None):
     """The unfused computation: all N x V logits in h's dtype (+ bias), then cross_entropy_ref."""
     logits_NV = h_NH @ weight_VH.T if bias_V is None else torch.addmm(bias_V, h_NH, weight_VH.T)

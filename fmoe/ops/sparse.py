@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import ieee_dot, next_pow2, use_triton
+from fmoe.ops.backend import autocast_off, ieee_dot, next_pow2, use_triton
 from fmoe.ops.checks import check_bools, check_device, check_float, check_index, checking
 
 # ----------------------------------------------------------------------------------------
@@ -92,6 +92,7 @@ def _slot_rows(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return kv_pad[torch.where(_holds_key(index, S), index.long(), S)]
 
 
+@autocast_off
 def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, v_dim: int, scale: float):
     """(o [T, N, Dv] in q's dtype, lse [T, N] float32): every slot's row gathered, float32."""
     valid_TJ = _holds_key(index, kv.shape[0])
@@ -112,6 +113,7 @@ def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     return o_TNV.to(q.dtype), lse_TN1[..., 0]
 
 
+@autocast_off
 def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor:
     """[T, J] float32: each slot's probability summed over the heads (0 in an empty slot)."""
     s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), _slot_rows(kv, index)) * scale
@@ -122,6 +124,7 @@ def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor
 _INDEXER_GROUP_FLOATS = 1 << 22  # the indexer reference's products at a time: 16 MiB of float32
 
 
+@autocast_off
 def _indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """[T, S] float32: sum_n w[t, n] relu(scale q[t, n] . k[s]), through the [T, g, S]
     products of g heads at a time, g T S within _INDEXER_GROUP_FLOATS (16 MiB; one head at
