@@ -421,6 +421,76 @@ def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
     return fails
 
 
+def _token_shards_case(rank: int, world: int) -> list[str]:
+    """ExpertParallel(token_shards=2): each rank holds half of a micro-batch whose capacity
+    drop ran over all of it, and one rank's tokens hold every slot of two experts: the
+    capacity layout sized from both shards' tokens keeps them (sized from one shard's, it
+    dropped half: outputs 2.1-2.6 off, rows of zeros), as local_experts on the whole batch."""
+    from fmoe.layers import MoEConfig, local_experts
+    from fmoe.ops import drop_by_capacity, route
+    from fmoe.ops.routing import Routes
+    from fmoe.parallel.expert import ExpertParallel
+    from fmoe.parallel.mesh import build_meshes
+
+    params, x, dy = _problem(8)
+    logits = torch.zeros(8, E)
+    logits[:4, 0], logits[:4, 1], logits[4:, 2], logits[4:, 3] = 5.0, 4.0, 5.0, 4.0  # rank 0's tokens: experts 0 and 1 alone
+    cfg = MoEConfig(n_experts=E, k=2, capacity_factor=2.0)
+    routes = drop_by_capacity(route(logits, 2), E, 2.0)  # C = ceil(8 * 2 / 8 * 2) = 4: nothing dropped
+    fails = [] if int((routes.experts >= 0).sum()) == 16 else [f"the case drops slots: {routes.experts.tolist()}"]
+    experts = {n: params[n] for n in ("w_gate", "w_up", "w_down")}
+    ref_x = x.clone().requires_grad_()
+    y_ref, _ = local_experts(ref_x, routes, experts, cfg)
+    (ref_dx,) = torch.autograd.grad(y_ref, ref_x, dy)
+    meshes = build_meshes(ep=2)
+    j, rows = meshes.axis("ep").get_local_rank(), slice(4 * rank, 4 * rank + 4)
+    local = {n: w[j * E // 2:(j + 1) * E // 2] for n, w in experts.items()}
+    mine = x[rows].clone().requires_grad_()
+    y, _ = ExpertParallel(meshes.axis("ep"), token_shards=2)(mine, Routes(routes.weights[rows], routes.experts[rows]), local, cfg)
+    (dx,) = torch.autograd.grad(y, mine, dy[rows])
+    _close(fails, "y", y, y_ref[rows])
+    _close(fails, "grad x", dx, ref_dx[rows])
+    return fails
+
+
+def _expert_biases_case(rank: int, world: int) -> list[str]:
+    """Routed experts with biases (gpt-oss's b_gate, b_up, b_down) over etp = 2: each etp rank
+    adds b_down / etp to its partial sum (b_down added whole on each was 2.1 off); each rank
+    holds its own tokens, and the biases' gradients are one process's over every rank's tokens
+    (b_gate, b_up: the rank's F columns; b_down: the whole, on every etp rank)."""
+    from fmoe.layers import MoEConfig, local_experts
+    from fmoe.ops import route
+    from fmoe.ops.routing import Routes
+    from fmoe.parallel.expert import ExpertParallel
+    from fmoe.parallel.mesh import build_meshes
+
+    params, x_all, dy_all = _problem(10, seed=3)  # each etp rank its own 5 tokens (etp is carved from the data ranks)
+    g = torch.Generator().manual_seed(4)
+    full = {n: params[n] for n in ("w_gate", "w_up", "w_down")}
+    full.update(b_gate=torch.randn(E, F, generator=g) * 0.4, b_up=torch.randn(E, F, generator=g) * 0.4, b_down=torch.randn(E, H, generator=g))
+    cfg = MoEConfig(n_experts=E, k=2)
+    routes_all = route(x_all @ params["router"].T, 2)
+    ref = {n: t.clone().requires_grad_() for n, t in full.items()}
+    y_ref, _ = local_experts(x_all, routes_all, ref, cfg)
+    ref_grads = dict(zip(ref, torch.autograd.grad(y_ref, list(ref.values()), dy_all)))
+    rows = slice(5 * rank, 5 * rank + 5)
+    x, dy, routes = x_all[rows], dy_all[rows], Routes(routes_all.weights[rows], routes_all.experts[rows])
+    meshes = build_meshes(ep=1, etp=2)
+    q, Fl = meshes.axis("etp").get_local_rank(), F // 2
+    cols = slice(q * Fl, (q + 1) * Fl)
+    local = dict(w_gate=full["w_gate"][:, :, cols], w_up=full["w_up"][:, :, cols], w_down=full["w_down"][:, cols], b_gate=full["b_gate"][:, cols],
+                 b_up=full["b_up"][:, cols], b_down=full["b_down"])
+    local = {n: t.clone().requires_grad_() for n, t in local.items()}
+    y, _ = ExpertParallel(None, etp_mesh=meshes.axis("etp"))(x, routes, local, cfg)
+    grads = dict(zip(local, torch.autograd.grad(y, list(local.values()), dy)))
+    fails = []
+    _close(fails, "y", y, y_ref[rows])
+    _close(fails, "grad b_down", grads["b_down"], ref_grads["b_down"])  # every etp rank's tokens' (copy_to_tp sums it over etp)
+    for name in ("b_gate", "b_up"):
+        _close(fails, f"grad {name}", grads[name], ref_grads[name][:, cols])
+    return fails
+
+
 def _worker(rank: int, world: int, cases: dict, round_trips: dict, bad_inputs: bool) -> dict:
     results = {}
     for name, (sizes, tokens, extra) in cases.items():
@@ -434,6 +504,10 @@ def _worker(rank: int, world: int, cases: dict, round_trips: dict, bad_inputs: b
             results["bad_inputs"] = _bad_inputs_case(rank, world)
         with own_groups():
             results["parallelize_max_tokens"] = _parallelize_max_tokens_case(rank, world)
+        with own_groups():
+            results["token_shards"] = _token_shards_case(rank, world)
+        with own_groups():
+            results["expert_biases_etp2"] = _expert_biases_case(rank, world)
     return results
 
 
@@ -457,7 +531,7 @@ def _assert_case(results: list[dict], name: str) -> None:
     assert not fails, f"{name}:\n" + "\n".join(fails)
 
 
-@pytest.mark.parametrize("name", [*CASES_2, *ROUND_TRIPS_2, "bad_inputs", "parallelize_max_tokens"])
+@pytest.mark.parametrize("name", [*CASES_2, *ROUND_TRIPS_2, "bad_inputs", "parallelize_max_tokens", "token_shards", "expert_biases_etp2"])
 def test_world2(world2, name):
     _assert_case(world2, name)
 
