@@ -521,7 +521,7 @@ def _persimmon(hf: dict) -> dict:
     factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
     qk = bool(hf.get("qk_layernorm", True))
     return _dense(dict(hf, hidden_act="silu", head_dim=head_dim, num_key_value_heads=heads, rms_norm_eps=hf.get("layer_norm_eps", 1e-5), mlp_bias=True,
-                       rope_parameters=params or dict(rope_type="default", rope_theta=10000.0)),
+                       rope_parameters=params or dict(rope_type="default", rope_theta=hf.get("rope_theta", 10000.0))),  # Persimmon-8B's: 25000
                   mlp_bias=True, qkv_bias=True, o_bias=True, mlp_act="relu2", layer_norms=True, norm_bias=True, qk_norm="layer" if qk else None,
                   qk_norm_bias=qk, rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
 

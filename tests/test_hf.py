@@ -1679,6 +1679,22 @@ def test_phi3_reads_the_released_longrope_layout_and_refuses_to_write_two_scales
         hf.save_pretrained(hf.Transformer(two), tmp_path / "two", model_type="phi3")
 
 
+@pytest.mark.parametrize("family, field, base", [("phi", "partial_rotary_factor", "rope_theta"), ("stablelm", "partial_rotary_factor", "rope_theta"),
+                                                 ("persimmon", "partial_rotary_factor", "rope_theta"), ("gpt_neox", "rotary_pct", "rotary_emb_base")])
+def test_a_rotary_fraction_at_the_top_level_reads_as_transformers_reads_it(family, field, base):
+    """phi-2's, StableLM's, Persimmon-8B's and GPT-NeoX's (Pythia's) released config.json files
+    give the rotary fraction and the RoPE base at the top level, without rope_parameters
+    (save_pretrained moves them inside, so the folders of the other tests never had them
+    there): fmoe reads the model transformers' own config of it reads (phi-2's top-level
+    factor ignored gave rope_dim 4 for 2: logits 1.26 off; Persimmon-8B's rope_theta 25000 was
+    read as 10000)."""
+    released = dict(FAMILIES[family]().to_dict(), rope_parameters=None, rope_scaling=None, **{field: 0.25, base: 5000.0})
+    cfg = TransformerConfig(**hf.FAMILIES[family].kwargs(released))
+    theirs = type(FAMILIES[family]())(**{k: v for k, v in released.items() if k not in ("rope_parameters", "transformers_version")})
+    assert TransformerConfig(**hf.FAMILIES[family].kwargs(theirs.to_dict())) == cfg
+    assert (cfg.rope_dim, cfg.rope_base) == (cfg.head_dim // 4, 5000.0)
+
+
 def test_phimoe_reads_the_released_layout():
     """Phi-3.5-MoE's config.json: rope_scaling of type "longrope" with the original positions
     and both mscales inside it, rope_theta at the top level, the gap router_jitter_noise, every
