@@ -338,6 +338,11 @@ def test_score_choices_counts_the_best_choice_and_breaks_ties_to_the_first():
     # q0: right (-1 > -2), normalised wrong (-1 < -0.2); q1: wrong (-3 best), normalised right (-0.2); q2: a tie goes to choice 0
     assert result == dict(questions=3, accuracy=pytest.approx(1 / 3), accuracy_norm=pytest.approx(1 / 3),
                           logprobs=[[-1.0, -2.0], [-3.0, -5.0, -4.0], [-2.0, -2.0]])
+    # each question alone: the totals above agree with a norm that forgets the lengths (q0 and q1 swap), these do not
+    for question, lp, right, right_norm in ((questions[0], [-1.0, -2.0], 1.0, 0.0), (questions[1], [-3.0, -5.0, -4.0], 0.0, 1.0),
+                                            (questions[2], [-2.0, -2.0], 0.0, 0.0)):
+        alone = evaluate.score_choices([question], lp)
+        assert (alone["accuracy"], alone["accuracy_norm"]) == (right, right_norm), question
 
 
 def _write_jsonl(path, rows):

@@ -360,6 +360,9 @@ def test_top_k_samples_among_the_k_most_likely_tokens_then_top_p(run_dir):
     for k, top_p, allowed in ((1, 1.0, {0}), (3, 1.0, {0, 1, 2}), (4, 0.6, {0, 1, 2}), (0, 1.0, set(range(6)))):
         drawn = {generate._next_token(logits, 5.0, top_p, torch.Generator().manual_seed(seed), k) for seed in range(300)}
         assert drawn == allowed, (k, top_p, drawn)
+    # top_p exactly a prefix's sum (two tokens of 0.5): that prefix alone, the smallest reaching top_p (transformers' TopPLogitsWarper)
+    drawn = {generate._next_token(torch.tensor([0.0, 0.0]), 1.0, 0.5, torch.Generator().manual_seed(seed), 0) for seed in range(100)}
+    assert drawn == {0}, drawn  # ties in id order
     model, prompt = run_dir[1], list(b"def ")
     assert generate.generate(model, prompt, tokens=5, temperature=2.0, top_k=1, seed=4) == generate.generate(model, prompt, tokens=5)
     sampled = generate.generate(model, prompt, tokens=5, temperature=1.0, top_k=5, seed=4)
