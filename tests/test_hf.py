@@ -1205,6 +1205,22 @@ def test_a_qwen_config_without_layer_types_slides_the_layers_max_window_layers_n
         assert [i for i in range(ours.n_layers) if ours.is_sliding(i)] == [i for i, kind in enumerate(theirs) if kind == "sliding_attention"]
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("step, dense", [(2, []), (2, [3]), (3, [])], ids=["step2", "step2-dense3", "step3"])
+def test_qwen_moe_blocks_are_where_decoder_sparse_step_puts_them(family, step, dense):
+    """decoder_sparse_step > 1: block i is MoE when (i + 1) % step == 0 (and not in
+    mlp_only_layers), as transformers builds the model (every test folder had step 1, where
+    i % step == 0 reads the same)."""
+    config = FAMILIES[family]()
+    config.num_hidden_layers, config.decoder_sparse_step, config.mlp_only_layers = 6, step, dense
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * 6
+    theirs = transformers.AutoModelForCausalLM.from_config(config)
+    moe = tuple(i for i, layer in enumerate(theirs.model.layers) if "Sparse" in type(layer.mlp).__name__)
+    assert moe and moe == tuple(i for i in range(6) if i not in dense and (i + 1) % step == 0)
+    assert TransformerConfig(**hf.FAMILIES[family].kwargs(config.to_dict())).moe_layers == moe
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "ministral", "cwm"])
 def test_a_model_without_a_window_exports_as_a_windowed_family_with_every_layer_full(family, tmp_path):
     """A model of fmoe's own without a sliding layer, written as gpt_oss, ministral or cwm: its
