@@ -5742,6 +5742,31 @@ def test_a_folder_cast_to_bfloat16_writes_its_correction_bias_back_as_stored(fam
     assert {load_file(tmp_path / "fresh" / "model.safetensors")[k].dtype for k in biases} == {torch.float32}
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_an_export_in_bfloat16_writes_the_correction_bias_in_float32(family, tmp_path):
+    """export_hf.py --dtype=bfloat16 of a run (a config.json of fmoe's with dtype bfloat16, no
+    folder dtypes): the routing correction bias is written float32, as transformers keeps it
+    (_keep_in_fp32_modules_strict), its value exactly the model's (bf16 rounds 1 + 1e-3 x by
+    about 1e-3, the size of the gaps between experts' scores); the weights bfloat16."""
+    from safetensors.torch import load_file
+
+    cfg = TransformerConfig(**hf.FAMILIES[family].kwargs(FAMILIES[family]().to_dict()))
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=0)
+    biases = {}
+    with torch.no_grad():
+        for name, moe in model.moe_layers().items():
+            moe.expert_bias.copy_(1 + 1e-3 * torch.randn_like(moe.expert_bias))
+            biases[name] = moe.expert_bias.clone()
+    model.hf_config = dict(hf.hf_config(cfg, family), dtype="bfloat16")
+    hf.save_pretrained(model, tmp_path / "out")
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    written = {k: v for k, v in stored.items() if k.endswith("e_score_correction_bias")}
+    assert len(written) == len(biases) > 0 and {v.dtype for v in written.values()} == {torch.float32}
+    assert sorted(map(tuple, (v.tolist() for v in written.values()))) == sorted(map(tuple, (b.tolist() for b in biases.values())))
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
 def test_bamba_reads_and_writes_its_partial_rotary_factor(tmp_path):
     """Bamba's attention rotates the first partial_rotary_factor of each head (transformers'
     default 0.5, an explicit one honoured): fmoe read half whatever the field said."""
