@@ -121,8 +121,13 @@ def test_quantize_kernel_gives_the_torch_bits(dtype):
     special = _special_rows(dtype)
     wide = (torch.randn(6, 70) * torch.logspace(-8, 8, 70)).to(dtype)
     batch = torch.randn(3, 20, 33).to(dtype)
+    # slices longer than one K block (1024 along memory, 64 across it), the amax and a NaN in the first block: a kernel
+    # keeping the last block's amax or NaN flag alone passed every slice of at most 70
+    long_rows, long_cols = torch.randn(3, 1100), torch.randn(100, 3)
+    long_rows[0, 5], long_rows[1, 7], long_cols[3, 0], long_cols[10, 1] = 40.0, float("nan"), 40.0, float("nan")
     cases = [(special, 1), (special.t(), 0), (wide, 1), (wide, 0), (wide[:, 5:61:2], 1), (wide.t(), 1),
-             (batch, 2), (batch, 1), (batch.transpose(1, 2), 2), (torch.randn(5).to(dtype), 0), (batch[:, :, 0], 0)]
+             (batch, 2), (batch, 1), (batch.transpose(1, 2), 2), (torch.randn(5).to(dtype), 0), (batch[:, :, 0], 0),
+             (long_rows.to(dtype), 1), (long_cols.to(dtype), 0)]
     for t, dim in cases:
         kernel, ref = fp8_quantize(t, dim, impl="triton"), fp8_quantize(t, dim, impl="torch")
         for a, b in zip(_bits(*kernel), _bits(*ref)):
