@@ -100,6 +100,25 @@ def test_triton_matches_reference(lead, T, H, D, R, interleaved, dtype, device):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_over_several_head_tiles_matches_reference(interleaved, device, monkeypatch):
+    """Tiles of 32 elements: 3 heads of 16 channels split into head tiles of 2 (the grid's second
+    axis past 0, which every shape above keeps at one tile), ragged in T and H."""
+    import fmoe.ops.rope as rope_mod
+
+    monkeypatch.setattr(rope_mod, "_TILE", 32)
+    x = torch.randn(5, 3, 16, device=device)
+    cos, sin = _cos_sin(5, 16, device=device)
+    x_tri, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_tri = apply_rope(x_tri, cos, sin, interleaved=interleaved, impl="triton")
+    y_ref = apply_rope(x_ref, cos, sin, interleaved=interleaved, impl="torch")
+    torch.testing.assert_close(y_tri, y_ref, rtol=1e-5, atol=1e-6)
+    grad_y = torch.randn_like(y_ref)
+    y_tri.backward(grad_y)
+    y_ref.backward(grad_y)
+    torch.testing.assert_close(x_tri.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_backward_is_the_inverse_rotation(impl, interleaved, device):
     x = torch.randn(2, 11, 3, 24, device=device, requires_grad=True)
