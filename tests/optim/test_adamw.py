@@ -60,6 +60,20 @@ def test_matches_torch_adamw(impl, wd, device):
         assert all(torch.equal(a, b) for a, b in zip(ours, ref_fe))
 
 
+def test_triton_over_several_chunks_matches_torch_adamw(device, monkeypatch):
+    """Chunks of 2048 elements (65536 on a GPU): a tensor of 5000 spans three programs, and
+    several blocks in each (the tensors above each fit one chunk: a program that ignored
+    its chunk passed)."""
+    import fmoe.optim.adamw as adamw_mod
+
+    monkeypatch.setattr(adamw_mod, "CHUNK", 2048)
+    init = make_params(device, shapes=[(5000,), (3, 700)])
+    ours, _ = run(lambda ps: AdamW(ps, weight_decay=0.1, impl="triton"), init, steps=3)
+    ref, _ = run(lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=False), init, steps=3)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_states(impl, device):
     init = make_params(device)

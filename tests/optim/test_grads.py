@@ -143,7 +143,7 @@ def _mixed_tensors():
     multiples of 16, a strided tensor (the foreach fallback) and an empty one."""
     g = torch.Generator().manual_seed(3)
     shapes = [((33, 17), torch.float32), ((64,), torch.bfloat16), ((7,), torch.bfloat16), ((5, 3), torch.float16),
-              ((32, 4), torch.float32), ((0,), torch.float32)]
+              ((32, 4), torch.float32), ((0,), torch.float32), ((33, 40), torch.float32)]  # 1320: past one block of 1024
     out = [torch.randn(s, generator=g).to(dt) for s, dt in shapes]
     out.append(torch.randn(6, 8, generator=g).t())  # strided
     return out
@@ -161,6 +161,18 @@ def test_scale_is_mul_bit_for_bit(impl, factor_dtype):
     for t, e in zip(tensors, expected):
         assert t.dtype == e.dtype and torch.equal(t, e)
     assert not torch.equal(tensors[1], _mixed_tensors()[1])  # it did scale
+
+
+def test_scale_kernel_over_several_chunks_is_mul(monkeypatch):
+    """Chunks of 2048 elements (65536 on a GPU): 5000 elements span three programs."""
+    import fmoe.optim.adamw as adamw_mod
+
+    monkeypatch.setattr(adamw_mod, "CHUNK", 2048)
+    tensors = [torch.randn(5000), torch.randn(3, 1700).to(torch.bfloat16)]
+    factor = torch.tensor(0.3129)
+    expected = [t.clone().mul_(factor) for t in tensors]
+    scale_(tensors, factor, impl="triton")
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
 
 
 def test_scale_kernel_rounds_the_factor_as_torch_does_on_cuda(monkeypatch):
