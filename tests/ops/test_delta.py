@@ -292,11 +292,15 @@ def test_compiles_whole(impl, channels):
     (1, 70, 2, 16, 24, 64, True, False),   # a chunk's rows in two blocks of 32 (and a partial chunk)
     (2, 37, 3, 8, 5, 8, False, True),      # a decay per key channel: a factor per row of the state
     (1, 45, 2, 80, 40, 16, True, True),    # ... in both halves of Dk
+    (1, 45, 2, 80, 40, 16, False, "slow"),  # ... slow enough that a chunk keeps 0.1-1 of its state (the fast ones keep e^-50: a
+                                            # half's decays read for the other's passed)
 ])
 def test_triton_states_equal_torch(B, T, N, Dk, Dv, chunk, packed, channels):
     """impl="triton" (the states' kernels, through the interpreter on CPU) against "torch":
     outputs, final state and every gradient, with an initial state."""
-    xs = _inputs(B, T, N, Dk, Dv, seed=5, requires_grad=True, channels=channels)
+    xs = _inputs(B, T, N, Dk, Dv, seed=5, requires_grad=True, channels=bool(channels))
+    if channels == "slow":
+        xs[3] = (xs[3].detach() * 0.0125).requires_grad_()
     state0 = torch.randn(B, N, Dk, Dv, requires_grad=True)
     cu = torch.tensor([0, 9, 9, 30, T]) if packed else None
     grad_o, grad_s = torch.randn(B, T, N, Dv), torch.randn(B, N, Dk, Dv)
