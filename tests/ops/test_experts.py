@@ -788,3 +788,24 @@ def test_more_rows_than_int32_offsets_are_refused():
     w = torch.zeros(2, 4, 3)
     with pytest.raises(ValueError, match=r"x_perm: 2147483648 rows, past the int32 row ids of offsets"):
         grouped_matmul(x_perm, w, torch.tensor([0, 2], dtype=torch.int32))
+
+
+def test_grouped_gemm_programs_write_their_experts_rows_alone(device):
+    """The forward kernel's programs of expert 0 alone (a grid of its row tiles) on a NaN-filled
+    output write its rows 0..12 and nothing of expert 1's: the interpreter runs programs in
+    order, so a tile writing the next expert's first row was overwritten by that expert's
+    own later tile and passed every end-to-end test, where a GPU runs them in any order."""
+    import triton
+
+    from fmoe.ops.backend import next_pow2
+
+    g = torch.Generator().manual_seed(0)
+    R, K, N, E = 24, 16, 16, 2
+    offsets = torch.tensor([13, 24], dtype=torch.int32)
+    x, w, offsets = torch.randn(R, K, generator=g).to(device), torch.randn(E, K, N, generator=g).to(device), offsets.to(device)
+    y = torch.full((R, N), float("nan"), device=device)
+    meta = experts._gemm_blocks(x.dtype)
+    grid = (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(13, meta["BLOCK_M"]),)  # expert 0's tiles come first
+    experts._grouped_gemm_fwd_kernel[grid](x, w, y, offsets, R, K, N, E, TRANS_W=False, BLOCK_E=next_pow2(E), **meta)
+    assert (~y.isnan().all(1)).nonzero().flatten().tolist() == list(range(13))  # every column of rows 0..12, none past
+    torch.testing.assert_close(y[:13], x[:13] @ w[0], rtol=1e-5, atol=1e-5)
