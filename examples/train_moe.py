@@ -1169,8 +1169,9 @@ def main(argv: list[str]) -> None:
             if val_batches and (step % cfg.eval_every == 0 or step == last):
                 with phase("eval"):
                     t_eval = time.perf_counter()
-                    val_loss, by_source = metrics.to_host(dict(zip(("val_loss", "by_source"), evaluate()))).values()
-                    record.update(val_loss=val_loss, val_loss_by_source=dict(zip(val_names, by_source)),  # source -> its tokens' mean
+                    mean, by_source = evaluate()
+                    val = metrics.to_host({"loss": mean, "by_source": by_source})  # the evaluation's one transfer
+                    record.update(val_loss=val["loss"], val_loss_by_source=dict(zip(val_names, val["by_source"])),  # source -> its tokens' mean
                                   eval_seconds=time.perf_counter() - t_eval)
                     energy.joules_since_last()  # the evaluation's, counted in no step's energy_j
             # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
