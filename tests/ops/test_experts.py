@@ -171,13 +171,16 @@ def test_zero_unowned(zero, device):
     CUDA, masked_fill on CPU), without a host read."""
     zero_fn = experts._zero_unowned_triton if zero == "kernel" else experts._zero_unowned
     offsets = torch.tensor([3, 3, 20, 20], dtype=torch.int32, device=device)
-    out = torch.full((37, 300), float("nan"), device=device)
-    grad_w = torch.full((4, 5000), float("nan"), device=device)  # two column chunks of 4096
+    guard = 8192  # elements of 7.0 before and after each tensor: a store past a row's end lands there (it corrupted the heap)
+    buffers = [torch.full((2 * guard + rows * cols,), 7.0, device=device) for rows, cols in ((37, 300), (4, 5000))]
+    out, grad_w = (b[guard:-guard].view(shape) for b, shape in zip(buffers, ((37, 300), (4, 5000))))  # 5000: two column chunks of 4096
+    out.fill_(float("nan")), grad_w.fill_(float("nan"))
     with HostReads() as reads:
         zero_fn(out, offsets, per_expert=False)
         zero_fn(grad_w, offsets, per_expert=True)
     assert out[:20].isnan().all() and not out[20:].any()
     assert grad_w[[0, 2]].isnan().all() and not grad_w[[1, 3]].any()
+    assert all(bool((b[:guard] == 7).all() and (b[-guard:] == 7).all()) for b in buffers), "stores outside the tensors"
     assert reads.count == 0 or zero == "kernel", reads.sites
     first_empty = torch.full((3, 7), float("nan"), device=device)  # expert 0 owns no row
     zero_fn(first_empty, torch.tensor([0, 4, 4], dtype=torch.int32, device=device), per_expert=True)
