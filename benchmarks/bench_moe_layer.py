@@ -151,19 +151,24 @@ def loop_moe(x, p, k):
     return y.to(x.dtype) + _shared(x, p)
 
 
-def strong_moe(x, p, k):
-    """argsort dispatch + torch._grouped_mm + scatter_add combine, as torchtitan writes it:
-    the experts' token counts by torch.histc (no host sync; torch.bincount reads its input's
-    max to the host on CUDA), the routing weights folded into the experts' output in the
-    activations' dtype and scatter-added in it (no float32 copy of the T k H rows)."""
+def _sorted_by_expert(x, p, k):
+    """The grouped-GEMM baselines' dispatch: (slot weights [T k] float32 in expert order, the
+    token of each sorted slot [T k], the experts' row offsets for torch._grouped_mm). The
+    experts' token counts by torch.histc (no host sync; torch.bincount reads its input's max
+    to the host on CUDA)."""
     weights, experts = _softmax_topk(x, p, k)
-    E = p["w_up"].shape[0]
     order = torch.argsort(experts.flatten(), stable=True)
-    token = order // k
-    counts = torch.histc(experts.flatten().float(), bins=E, min=0, max=E).long()  # exact: integers below 2^24
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    counts = torch.histc(experts.flatten().float(), bins=p["w_up"].shape[0], min=0, max=p["w_up"].shape[0]).long()  # exact below 2^24
+    return weights.flatten()[order], order // k, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def strong_moe(x, p, k):
+    """argsort dispatch by x[token] + torch._grouped_mm + scatter_add combine: the routing
+    weights folded into the experts' output in the activations' dtype and scatter-added in
+    it (no float32 copy of the T k H rows), the shared experts' output added after."""
+    weights, token, offsets = _sorted_by_expert(x, p, k)
     y_perm = _mlp(x[token], p.get("w_gate"), p["w_up"], p["w_down"], offsets)
-    y_perm = y_perm * weights.flatten()[order, None].to(y_perm.dtype)
+    y_perm = y_perm * weights[:, None].to(y_perm.dtype)
     y = torch.zeros_like(x).scatter_add(0, token[:, None].expand(-1, x.shape[1]), y_perm)
     shared = _shared(x, p)
     return y if isinstance(shared, int) else y + shared  # no shared experts: no T x H add of 0
@@ -174,13 +179,10 @@ def titan_moe(x, p, k):
     torch.gather (backward: a scatter_add), the routing weights applied to the experts'
     output in float32 and cast back, the result scatter-added onto the shared experts'
     output (zeros without them)."""
-    weights, experts = _softmax_topk(x, p, k)
-    E = p["w_up"].shape[0]
-    order = torch.argsort(experts.flatten(), stable=True)
-    index = (order // k)[:, None].expand(-1, x.shape[1])
-    counts = torch.histc(experts.flatten().float(), bins=E, min=0, max=E).long()  # exact: integers below 2^24
-    y_perm = _mlp(torch.gather(x, 0, index), p.get("w_gate"), p["w_up"], p["w_down"], torch.cumsum(counts, 0).to(torch.int32))
-    y_perm = (y_perm.float() * weights.flatten()[order, None]).to(x.dtype)
+    weights, token, offsets = _sorted_by_expert(x, p, k)
+    index = token[:, None].expand(-1, x.shape[1])
+    y_perm = _mlp(torch.gather(x, 0, index), p.get("w_gate"), p["w_up"], p["w_down"], offsets)
+    y_perm = (y_perm.float() * weights[:, None]).to(x.dtype)
     shared = _shared(x, p)
     return (torch.zeros_like(x) if isinstance(shared, int) else shared).scatter_add(0, index, y_perm)
 
