@@ -11,13 +11,12 @@ The shapes are odd sizes that leave every block partly filled, and reach a secon
 where a kernel loops over blocks; outputs and gradients must equal, bit for bit, those of
 the same run without the check.
 
-Outside this check: the kernels that take a table of pointers (AdamW's and `scale_`'s
-multi-tensor launches: their tensors are not arguments of the launch), and
-`_zero_unowned_kernel`, which runs after torch._grouped_mm on CUDA only (tests/ops/
+AdamW's and `scale_`'s multi-tensor launches take a table of pointers: their tensors are
+named to the check, not guarded. Outside it: `_zero_unowned_kernel`, which runs after torch._grouped_mm on CUDA only (tests/ops/
 test_experts.py::test_zero_unowned puts its tensors inside guards).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import numpy as np
@@ -27,6 +26,8 @@ import torch.nn.functional as F
 
 import fmoe.ops as ops
 from fmoe.ops import dispatch as dispatch_module
+from fmoe.optim import AdamW
+from fmoe.optim.adamw import scale_
 from tests.conftest import INTERPRETING
 
 pytestmark = pytest.mark.skipif(not INTERPRETING, reason="guards host copies of the tensors: needs the Triton interpreter (TRITON_INTERPRET=1)")
@@ -35,12 +36,13 @@ GUARD = 1 << 12  # bytes before and after each tensor's storage: a multiple of e
 
 
 @contextmanager
-def guarded_launches():
+def guarded_launches(also=lambda: ()):
     """Within the block, each interpreted kernel launch runs on guarded copies of its tensor
     arguments (one copy per storage, so aliases stay aliases), and every load, store and
-    atomic the kernel makes (lanes its mask leaves on) must address bytes of those tensors.
-    Either failure raises an AssertionError naming the kernel and the argument nearest the
-    address. Yields the list of kernels launched."""
+    atomic the kernel makes (lanes its mask leaves on) must address bytes of those tensors,
+    or of the tensors `also()` returns at the launch (those a pointer table names: they are
+    checked, not guarded). Either failure raises an AssertionError naming the kernel and the
+    argument nearest the address. Yields the list of kernels launched."""
     from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
 
     launched, launch = [], {}  # launch: the running kernel's name, tensors' (start, end, name) and first stray access
@@ -100,6 +102,9 @@ def guarded_launches():
         for name, a in tensors:
             begin = a.untyped_storage().data_ptr() + GUARD
             regions.setdefault((begin, begin + a.untyped_storage().nbytes() - 2 * GUARD), []).append(name)
+        for i, a in enumerate(also()):
+            begin = a.untyped_storage().data_ptr()
+            regions.setdefault((begin, begin + a.untyped_storage().nbytes()), []).append(f"also()[{i}]")
         launch.update(kernel=self.fn.__name__, stray=None, tensors=[(b, e, " / ".join(n)) for (b, e), n in regions.items()])
         try:
             result = original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -279,6 +284,35 @@ def test_kernels_stay_inside_their_tensors(case):
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{case} output {i} ({sorted(set(launched))}): {m}")
+
+
+@pytest.mark.parametrize("dtype,state_dtype,masters", [(torch.float32, torch.float32, False), (torch.bfloat16, torch.bfloat16, True)], ids=str)
+def test_optimizer_kernels_stay_inside_their_tensors(dtype, state_dtype, masters, monkeypatch):
+    """AdamW's and scale_'s multi-tensor launches, over tensors of odd sizes (one over two
+    chunks of 2048 elements, one of 48: the aligned launch), for two steps."""
+    import fmoe.optim.adamw as adamw_module
+
+    monkeypatch.setattr(adamw_module, "CHUNK", 2048)
+
+    def steps(check):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(shape, generator=gen).to(dtype) for shape in ((5, 901), (7,), (48,), (3, 5))]
+        opt = AdamW(params, lr=0.1, weight_decay=0.1, state_dtype=state_dtype, master_weights=masters, impl="triton")
+        named = lambda: [t for p in params for t in (p, p.grad, *opt.state[p].values()) if isinstance(t, torch.Tensor) and t.dim()]  # noqa: E731
+        with check(named) as launched:
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                scale_([p.grad for p in params], torch.tensor(0.75), impl="triton")
+                opt.step()
+        return [t.clone() for t in named()], launched
+
+    got, launched = steps(guarded_launches)
+    want, _ = steps(lambda also: nullcontext([]))
+    assert set(launched) == {"_scale_kernel", "_adamw_kernel"}, launched
+    assert len(got) == len(want) == 4 * (4 + masters)  # param, grad, two moments (and the master), for 4 params
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_the_check_catches_a_load_or_store_past_the_end():
