@@ -10,7 +10,7 @@ from einops import rearrange
 
 import fmoe.layers
 import fmoe.ops
-from fmoe.model import BatchContext, KVCache, RMSNorm, Transformer, TransformerConfig
+from fmoe.model import BatchContext, KVCache, RMSNorm, Transformer, TransformerConfig, init_value
 from fmoe.train.data import make_batch
 from fmoe.train.metrics import HostReads, SavedTensors
 
@@ -956,7 +956,13 @@ def test_a_parallel_hybrid_block_adds_its_attention_to_its_linear_mixer():
     biased = Transformer(dataclasses.replace(cfg, qkv_bias=True, attn_sinks=True))  # attn_beside initialised as an attention is
     biased.reset_parameters(seed=1)
     beside, attention = biased.blocks[0].attn_beside, biased.blocks[1].attn
-    assert not beside.bq.any() and not beside.sinks.any() and float(beside.wq.detach().std()) == pytest.approx(float(attention.wq.detach().std()), rel=0.3)
+    assert not beside.bq.any() and not beside.sinks.any()
+    stds = {"wo": cfg.init_std / (2 * cfg.n_layers) ** 0.5}  # an output projection's, as attention's wo; the other matrices init_std
+    matrices = {n: p for n, p in beside.named_parameters() if p.dim() == 2}
+    assert {"wq", "wk", "wv", "wo"} <= set(matrices), sorted(matrices)
+    for n, p in matrices.items():
+        torch.testing.assert_close(p.detach(), init_value(1, f"blocks.0.attn_beside.{n}", p.shape, stds.get(n, cfg.init_std)), rtol=0, atol=0)
+    assert float(beside.wq.detach().std()) == pytest.approx(float(attention.wq.detach().std()), rel=0.1)  # 0.03 apart here
     x = torch.randn(9, 32)
     ctx = attention_context(cu, torch.cat([torch.arange(4), torch.arange(5)]), cfg.context_config())
     block = model.blocks[0]
