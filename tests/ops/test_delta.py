@@ -194,7 +194,9 @@ def test_dtypes_and_scale():
     torch.testing.assert_close(ref, gated_delta_rule(q, k, v, g, beta) * (0.5 * 8 ** 0.5), rtol=1e-5, atol=1e-6)  # default 1/sqrt(Dk)
     low = gated_delta_rule(*(x.bfloat16() for x in (q, k, v, g, beta)), scale=0.5)
     assert low.dtype == torch.bfloat16
-    torch.testing.assert_close(low.float(), ref, rtol=0.05, atol=0.05)
+    upcast = gated_delta_rule(*(x.bfloat16().float() for x in (q, k, v, g, beta)), scale=0.5)
+    torch.testing.assert_close(low, upcast.bfloat16(), rtol=0, atol=0)  # float32 math on the bf16 values, the output rounded once
+    torch.testing.assert_close(low.float(), ref, rtol=1.6e-2, atol=1e-2)  # 7.8e-3 apart here: the inputs' rounding
 
 
 def test_reads_nothing_on_the_host():
