@@ -466,7 +466,7 @@ def test_a_path_that_is_no_run_is_named_once(bad_exits):
     assert got["text"].count("path: ") == 1, got["text"][-2000:]  # it said "path: path: '...'"
 
 
-@pytest.mark.parametrize("case", range(len(BAD_CHOICES)), ids=[BAD_CHOICES[i][2][:40] for i in range(len(BAD_CHOICES))])
+@pytest.mark.parametrize("case", range(len(BAD_CHOICES)), ids=[BAD_CHOICES[i][2][:80] for i in range(len(BAD_CHOICES))])
 def test_bad_choices_stop_with_a_message(bad_exits, case):
     got = bad_exits["choices"][case]
     assert got["status"] != 0 and BAD_CHOICES[case][2] in got["text"], got["text"][-2000:]

@@ -341,7 +341,8 @@ def test_stage_layers_split_evenly_or_as_asked():
     # the pp of check_micro_batches (0 and a bool were accepted, "2" a TypeError) and a schedule of another type (unhashable)
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("1f1b", 2, 0), r"pp: expected >= 1, got 0"),
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("1f1b", 4, True), r"pp: expected an int, got True"),
-    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("interleaved_1f1b", 2, 0, 2), r"pp: expected >= 1, got 0"),
+    pytest.param(lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("interleaved_1f1b", 2, 0, 2), r"pp: expected >= 1, got 0",
+                 id="interleaved pp 0"),
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule(["1f1b"], 1), r"pp_schedule: expected one of .*, got \['1f1b'\]"),
 ])
 def test_bad_splits_and_schedules_name_the_knob(call, message):
