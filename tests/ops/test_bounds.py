@@ -345,3 +345,38 @@ def test_the_check_catches_a_load_or_store_past_the_end():
         with pytest.raises(AssertionError, match=r"^add_one_kernel: a store at out_ptr's end \+ 0 bytes \(1 of 5 lanes\)"):
             add_one_kernel[(1,)](x, short, 5, BLOCK=8)
     assert short.tolist() == [1.0, 2.0, 3.0, 4.0], "the store past the end went to the guard, the rest back to the tensor"
+
+
+MODELS = ("all moe, triton", "dsa", "gated deltanet", "jamba")  # MoE, rope, CE; sparse attention; the delta rule; the scan
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_models_kernels_stay_inside_their_tensors(name):
+    """A reference model's step with every op on its kernels (tests/test_model.py's variant,
+    impl="triton"): the layers hand the kernels views and strides of their own, and the
+    check holds for them too; the loss and every gradient as without the check."""
+    import dataclasses
+
+    from fmoe.model import Transformer
+    from fmoe.train.data import make_batch
+    from tests.test_model import VARIANTS
+
+    cfg = dataclasses.replace(VARIANTS[name], impl="triton")
+
+    def step():
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        batch = make_batch(torch.randint(0, cfg.vocab_size, (13,)), torch.tensor([0, 5, 13]), mtp_depth=cfg.mtp_depth)
+        losses, stats = model(batch, model.context(batch))
+        loss = losses["lm_sum"] + sum(losses[f"mtp_{d}_sum"] for d in range(1, cfg.mtp_depth + 1))
+        for s in stats.values():
+            loss = loss + ops.z_loss(s["router_logits"], impl="triton")
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    with guarded_launches() as launched:
+        got = step()
+    want = step()
+    assert launched, f"{name}: no Triton kernel ran"
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name} tensor {i} ({sorted(set(launched))}): {m}")
