@@ -157,8 +157,8 @@ def _leaf(*shape, gen, scale=1.0, dtype=torch.float32):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype).requires_grad_()
 
 
-def _route(gen):
-    logits = _leaf(33, 12, gen=gen)
+def _route(gen, dtype=torch.float32):
+    logits = _leaf(33, 12, gen=gen, dtype=dtype)
     bias = 0.05 * torch.randn(12, generator=gen)
     runs = [ops.route(logits, 3, impl="triton"),
             ops.route(logits, 4, score="sigmoid", n_groups=4, topk_groups=2, expert_bias=bias, scale=2.5, group_score_topk=2, impl="triton"),
@@ -173,8 +173,8 @@ def _balance(gen):
     return _grads((scores, experts, counts), [logits]) + _grads(ops.z_loss(logits, mask=torch.arange(33) % 5 != 0, impl="triton"), [logits])
 
 
-def _dispatch(gen, by="scatter"):
-    x = _leaf(19, 5, gen=gen)
+def _dispatch(gen, by="scatter", dtype=torch.float32):
+    x = _leaf(19, 5, gen=gen, dtype=dtype)
     experts = torch.randint(-1, 5, (19, 3), generator=gen)  # 5 experts: a partial block of them
     weights = torch.rand(19, 3, generator=gen).requires_grad_()
     with _setattr(dispatch_module, "PERMUTE_BY", by):
@@ -183,31 +183,31 @@ def _dispatch(gen, by="scatter"):
         return _grads((x_perm, y), [x, weights])
 
 
-def _experts(gen):
+def _experts(gen, dtype=torch.float32):
     offsets = torch.tensor([5, 5, 12, 19], dtype=torch.int32)
-    x = _leaf(19, 5, gen=gen)
-    w_gate, w_up, w_down = _leaf(4, 5, 7, gen=gen), _leaf(4, 5, 7, gen=gen), _leaf(4, 7, 5, gen=gen)
-    b_gate, b_up, b_down = _leaf(4, 7, gen=gen), _leaf(4, 7, gen=gen), _leaf(4, 5, gen=gen)
-    gate, up = _leaf(5, 301, gen=gen), _leaf(5, 301, gen=gen)  # 1505 elements: a partial block of the elementwise kernels
+    x = _leaf(19, 5, gen=gen, dtype=dtype)
+    w_gate, w_up, w_down = (_leaf(4, *shape, gen=gen, dtype=dtype) for shape in ((5, 7), (5, 7), (7, 5)))
+    b_gate, b_up, b_down = (_leaf(4, n, gen=gen, dtype=dtype) for n in (7, 7, 5))
+    gate, up = _leaf(5, 301, gen=gen, dtype=dtype), _leaf(5, 301, gen=gen, dtype=dtype)  # 1505 elements: a partial block of the elementwise kernels
     y = ops.grouped_mlp(x, w_gate, w_up, w_down, offsets, b_gate=b_gate, b_up=b_up, b_down=b_down, limit=7.0, impl="triton")
     z = ops.grouped_matmul(x, w_gate, offsets, impl="triton")
     h = ops.swiglu(gate, up, impl="triton")
     return _grads((y, z, h), [x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up])
 
 
-def _rope(gen):
-    x = _leaf(2, 7, 3, 48, gen=gen)
+def _rope(gen, dtype=torch.float32):
+    x = _leaf(2, 7, 3, 48, gen=gen, dtype=dtype)
     inv_freq = ops.rope_inv_freq(24, base=100.0)  # 12 frequencies: a partial block of them
     cos, sin = (t.clone() for t in ops.rope_cos_sin(torch.arange(7), inv_freq))  # storages of their own: nothing after them
     return (_grads(ops.apply_rope(x, cos, sin, impl="triton"), [x])
             + _grads(ops.apply_rope(x, cos, sin, interleaved=True, impl="triton"), [x]))
 
 
-def _loss(gen):
-    logits = _leaf(9, 37, gen=gen)
+def _loss(gen, dtype=torch.float32):
+    logits = _leaf(9, 37, gen=gen, dtype=dtype)
     labels = torch.randint(0, 37, (9,), generator=gen)
     labels[2] = -100
-    h, w, b = _leaf(9, 8, gen=gen), _leaf(37, 8, gen=gen), _leaf(37, gen=gen)
+    h, w, b = _leaf(9, 8, gen=gen, dtype=dtype), _leaf(37, 8, gen=gen, dtype=dtype), _leaf(37, gen=gen, dtype=dtype)
     return (_grads(ops.cross_entropy(logits, labels, impl="triton"), [logits])
             + _grads(ops.cross_entropy(logits, labels, softcap=3.0, reduction="sum", impl="triton"), [logits])
             + _grads(ops.linear_cross_entropy(h, w, labels, bias=b, chunk_rows=4, impl="triton"), [h, w, b]))
@@ -271,6 +271,7 @@ CASES = {"route": _route, "balance": _balance, "dispatch": _dispatch, "dispatch-
          "experts": _experts, "rope": _rope, "loss": _loss,
          "packed": _packed, "delta": _delta, "scan": _scan, "sparse": _sparse, "sparse-deterministic": partial(_sparse, deterministic=True),
          "fp8": _fp8}
+CASES |= {f"{name}-bf16": partial(CASES[name], dtype=torch.bfloat16) for name in ("route", "dispatch", "experts", "rope", "loss")}  # 2-byte elements
 
 
 @pytest.mark.parametrize("case", CASES)
