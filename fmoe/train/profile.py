@@ -50,9 +50,10 @@ def activities(device_type: str) -> list:
     return out
 
 
-def ops_table(prof: torch.profiler.profile, device_type: str, *, row_limit: int = 100, by_shape: bool = False) -> str:
+def ops_table(prof: torch.profiler.profile, device_type: str, *, row_limit: int = -1, by_shape: bool = False) -> str:
     """prof's ops by self time (the device's on CUDA, the host's otherwise), by input shape
-    with by_shape (the profile must record_shapes)."""
+    with by_shape (the profile must record_shapes); the first row_limit rows (-1: every op,
+    as ops_rank{r}.txt has them: a step records hundreds of op and shape pairs)."""
     sort = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
     return prof.key_averages(group_by_input_shape=by_shape).table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
 

@@ -2,11 +2,12 @@
 and each op's time; bad step ranges and a memory snapshot off CUDA are refused."""
 
 import json
+import re
 
 import pytest
 import torch
 
-from fmoe.train.profile import StepProfiler, parse_steps, phase
+from fmoe.train.profile import StepProfiler, activities, parse_steps, phase
 
 
 def test_steps_parse_as_users_type_them():
@@ -66,6 +67,25 @@ def test_the_steps_asked_for_are_traced_with_the_phases_and_the_ops(tmp_path):
     assert len(mm) == 2 and all(e["args"]["Input Dims"] == [[32, 48], [48, 32]] for e in mm)
     table = files[1].read_text()
     assert "Self CPU" in table and "aten::mm" in table and "[[32, 48], [48, 32]]" in table
+
+
+def test_the_ops_table_has_every_op_and_shape_by_self_time(tmp_path):
+    """ops_rank{r}.txt: every op and shape pair the steps ran (150 matmul shapes here: a
+    step's hundreds were cut to the first 100 rows), the rows by self time, the largest first;
+    on CUDA the kernels are recorded too."""
+    profiler = StepProfiler(tmp_path, (1, 1))
+    profiler.start_step(1)
+    for n in range(1, 151):
+        torch.randn(n, 8) @ torch.randn(8, 4)
+    ops = profiler.end_step(1)[1].read_text()
+    shapes = re.findall(r"aten::mm .*?\[\[(\d+), 8\], \[8, 4\]\]", ops)
+    assert sorted(int(n) for n in shapes) == list(range(1, 151)), len(shapes)
+    assert ops.splitlines()[1].split()[:4] == ["Name", "Self", "CPU", "%"]
+    rows = [line for line in ops.splitlines()[3:] if line.strip() and not line.startswith(("-", "Self CPU time total"))]
+    percents = [float(line.split()[1].rstrip("%")) for line in rows]  # op names have no spaces
+    assert len(percents) > 150 and percents == sorted(percents, reverse=True), percents[:10]
+    assert activities("cpu") == [torch.profiler.ProfilerActivity.CPU]
+    assert activities("cuda") == [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
 def test_a_run_that_ends_inside_the_steps_writes_on_close(tmp_path):
