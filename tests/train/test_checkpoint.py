@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -81,7 +82,7 @@ def test_round_trip_bit_identical(tmp_path):
     before = _tensors(model, opts)
     handle = ckpt.save(tmp_path, 2, model=model, optimizers=opts, extra=extra)
     assert handle.done() and handle.wait() == tmp_path / "step_000002"
-    after_save = (torch.rand(5), random.random())
+    after_save = (torch.rand(5), random.random(), np.random.rand())
 
     torch.manual_seed(123)
     random.seed(123)
@@ -97,7 +98,7 @@ def test_round_trip_bit_identical(tmp_path):
     for key in ("torch", "numpy"):
         assert str(got["rng"][key]) == str(extra["rng"][key])
     assert got["rng"]["python"] == extra["rng"]["python"]
-    assert torch.equal(torch.rand(5), after_save[0]) and random.random() == after_save[1]
+    assert torch.equal(torch.rand(5), after_save[0]) and random.random() == after_save[1] and np.random.rand() == after_save[2]
 
     # training goes on identically from the restored state
     torch.manual_seed(7)
@@ -186,6 +187,14 @@ def test_a_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
         ckpt.save(tmp_path, 20, model=model, optimizers=opts)
     assert raised.value.errno == errno.ENOSPC and "unexpected pos" in str(raised.value.__cause__)
     assert ckpt.latest(tmp_path) == tmp_path / "step_000010"
+    # over the floor, but under what a checkpoint takes (the newest one's size, less what was written): full too
+    monkeypatch.setattr(ckpt, "FULL_DISK_BYTES", 1024)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 2048, 2048))
+    assert ckpt._bytes_in(tmp_path / "step_000010") > 4 * 2048
+    with pytest.raises(OSError, match=rf"no space left to save step_000020 in {tmp_path}: 2,048 bytes free after") as raised:
+        ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+    assert raised.value.errno == errno.ENOSPC
+    monkeypatch.setattr(ckpt, "FULL_DISK_BYTES", 1 << 20)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 0, 10**9))
     with pytest.raises(RuntimeError, match="unexpected pos") as raised:
         ckpt.save(tmp_path, 20, model=model, optimizers=opts)
@@ -218,6 +227,22 @@ def test_a_save_that_cannot_write_for_another_cause_names_it(tmp_path):
     assert done.stdout.startswith(f"{errno.EFBIG} [Errno {errno.EFBIG}] cannot write step_000020 in {tmp_path}: File too large (a write of "
                                   "1,048,576 bytes into step_000020.tmp failed as the save did"), done.stdout + done.stderr[-2000:]
     assert ckpt.latest(tmp_path) == tmp_path / "step_000010"
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_step_saved_again_replaces_it(tmp_path, async_):
+    """The same step saved twice (a run resumed from before it saves it again): the second
+    replaces the first, whole, and no .tmp is left."""
+    model, opts = _build()
+    _train(model, opts, 1)
+    ckpt.save(tmp_path, 5, model=model, optimizers=opts, extra={"v": 1}).wait()
+    _train(model, opts, 1)
+    second = _tensors(model, opts)
+    ckpt.save(tmp_path, 5, model=model, optimizers=opts, extra={"v": 2}, async_=async_).wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005"]
+    fresh, fresh_opts = _build()
+    assert ckpt.load(ckpt.latest(tmp_path), model=fresh, optimizers=fresh_opts) == {"v": 2}
+    _assert_identical(second, _tensors(fresh, fresh_opts))
 
 
 def test_prune_keeps_newest_and_every(tmp_path):
@@ -557,12 +582,18 @@ def test_optimizers_of_another_kind_are_refused_by_name_before_anything_is_read(
 
 def test_model_tensors_reads_each_tensor_of_a_checkpoint_when_asked(tmp_path):
     """ModelTensors: the saved model's full tensors by name (a run's out_dir or a step
-    directory), read one at a time; an unknown name is a KeyError."""
+    directory), read one at a time, each in its saved dtype (bf16 weights, a hashed layer's
+    int64 table with an id past float32's 2^24: read as float32 it came back rounded); an
+    unknown name is a KeyError."""
     from fmoe.model import Transformer, TransformerConfig
 
     model = Transformer(TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1,
-                                          head_dim=8, mtp_depth=1))
+                                          head_dim=8, mtp_depth=1, hash_layers=1))
     model.reset_parameters(seed=4)
+    model.to(torch.bfloat16)
+    table = model.blocks[1].mlp.hash_table  # block 0 is dense
+    table[0, 0] = 2**24 + 1
+    assert table.dtype == torch.int64 and {v.dtype for v in model.state_dict().values()} >= {torch.bfloat16, torch.int64}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ckpt.save(tmp_path, 3, model=model, optimizers=[opt])
     want = model.state_dict()
