@@ -138,6 +138,13 @@ def test_dtype_choice(src, tmp_path, tokenizer_path):
     with pytest.raises(ValueError, match="dtype: uint16 holds ids up to 65535, the tokenizer has 70000"):
         prepare(words, tmp_path / "w16.bin", tokenizer=big, dtype="uint16", progress=False)
     assert not (tmp_path / "w16.bin").exists()
+    # exactly 65536 ids (a 2^16 BPE): ids 0..65535 fit uint16, by default, by name and by the knob
+    full = _word_tokenizer(tmp_path / "full.json", 1 << 16)
+    words.write_text("w1 w65000 w5")
+    for out, kw in ((tmp_path / "f.bin", {}), (tmp_path / "f.u16", {}), (tmp_path / "g.bin", {"dtype": "uint16"})):
+        index = prepare(words, out, tokenizer=full, progress=False, **kw)
+        assert index["dtype"] == "uint16" and index["vocab_size"] == 65_536 and out.stat().st_size == 2 * index["tokens"] == 2 * 4
+        assert load_corpus(out).document(0).tolist() == [1, 65000, 5, 65_535]  # the separator, the top id
 
 
 def test_cli(src, tmp_path, tokenizer_path):
@@ -287,6 +294,17 @@ def test_json_lines_parquet_and_gzip_sources(tmp_path, tokenizer_path):
     assert run.returncode == 0, run.stderr
     assert [tok.decode(d.tolist()[:-1]) for d in map(load_corpus(tmp_path / "o.u16").document, range(3))] == kept
     assert "text_key" not in prepare(other / "d.txt.gz", tmp_path / "d.u16", tokenizer=tokenizer_path, progress=False)
+    # NDJSON, plain and gzip (a .ndjson.gz read as one text document put braces and keys in the data)
+    import gzip
+
+    nd = tmp_path / "nd"
+    nd.mkdir()
+    lines = "\n".join(json.dumps({"text": text}) for text in RECORDS) + "\n"
+    (nd / "e.ndjson").write_text(lines, encoding="utf-8")
+    (nd / "f.NDJSON.gz").write_bytes(gzip.compress(lines.encode()))
+    index = prepare(nd, tmp_path / "nd.u16", tokenizer=tokenizer_path, progress=False)
+    assert index["documents"] == 2 * len(kept) and index["sources"] == 2 and index["text_key"] == "text"
+    assert [tok.decode(d.tolist()[:-1]) for d in map(load_corpus(tmp_path / "nd.u16").document, range(2 * len(kept)))] == kept + kept
 
 
 def test_record_sources_name_the_bad_line_or_row(tmp_path, tokenizer_path):
