@@ -240,11 +240,29 @@ def test_reasoning_under_any_of_its_names_reaches_templates_that_read_thinking_o
         assert template.render(chat) == f"<user>2+2?<assistant>{'[think:add them]' if shown else ''}4", (given, field)
 
 
+def test_a_message_s_own_thinking_is_kept_beside_its_reasoning_content():
+    """Reasoning goes under "thinking" only where the message has none, as transformers'
+    {"thinking": reasoning, **message, "reasoning_content": reasoning}."""
+    template = ChatTemplate("{% for m in messages %}[{{ m.thinking }}|{{ m.reasoning_content }}]{{ m.content }}{% endfor %}")
+    message = {"role": "assistant", "content": "4", "reasoning_content": "2+2", "thinking": "own thinking"}
+    assert template.render([message]) == "[own thinking|2+2]4"
+
+
 # a default template that reads a message's optional field (as Llama 3.1's reads 'tool_calls')
 OPTIONAL_FIELD = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
                   "{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endgeneration %}"
                   "{% else %}{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_the_special_tokens_of_tokenizer_config_json_come_before_the_older_map(model_dir, tmp_path):
+    """A folder with both files (the map often stale): each token as tokenizer_config.json
+    names it, the map's only where the config has none."""
+    folder = _tokenizer_only(model_dir, tmp_path)
+    _write_config(folder, "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}", bos_token="<|begin_of_text|>")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>",
+                                                                "unk_token": "<unk>"}))
+    assert load_chat_template(folder / "tokenizer.json").render([{"role": "user", "content": "q"}]) == "<|begin_of_text|>|<|im_end|>|<|endoftext|>|<unk>"
 
 
 @pytest.mark.parametrize("layout", ["tokenizer_config", "files"])
@@ -426,6 +444,20 @@ def test_an_assistant_turn_that_opens_the_conversation():
     with pytest.raises(ValueError, match=r"renders message 1 \(assistant\) somewhere other than after its generation prompt"):
         ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}").documents(
             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])  # a later turn still refuses such a template
+
+
+def test_turns_that_overlap_by_one_character_are_refused():
+    """A template that continues a final assistant message under add_generation_prompt (its
+    end-of-turn "|" left off): the later turn's prompt is one character short of the earlier
+    turn's text, so the later span would take "|assistant:" into training."""
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                            "{% if not (loop.last and add_generation_prompt and m.role == 'assistant') %}|{% endif %}{% endfor %}"
+                            "{% if add_generation_prompt and messages[-1].role != 'assistant' %}assistant:{% endif %}")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A1"}, {"role": "assistant", "content": "A2"}]
+    with pytest.raises(ValueError, match="renders the prompt of a later assistant turn without the text of an earlier one"):
+        template.documents(chat)
+    (text, spans), = template.documents(chat[:2])  # one assistant turn: nothing to overlap
+    assert [text[a:b] for a, b in spans] == ["A1|"]
 
 
 def test_a_long_conversation_holds_no_copy_of_each_prefix():
