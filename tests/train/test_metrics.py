@@ -460,6 +460,8 @@ def test_line_plots_mark_a_non_finite_step_and_keep_an_all_null_series(tmp_path)
     assert plot.plot_losses(nulls, tmp_path / "loss.png", Keeps)
     lines, marks, notes = panel(figures[2], "loss")
     assert marks == [1, 2, 3, 4] and notes == ["loss: all 4 steps non-finite (null)"]
+    assert plot.plot_losses(nulls[:1], tmp_path / "loss.png", Keeps)  # one step: not "all 1 steps"
+    assert panel(figures[3], "loss")[1:] == ([1], ["loss: 1 non-finite step (null)"])
     # a key a record does not log (val_loss between evaluations) is no gap and no mark
     assert plot._series([{"step": 1, "loss": 2.0}, {"step": 2, "val_loss": 1.0}], "val_loss") == ([2], [1.0])
     pyplot.close("all")
@@ -480,10 +482,15 @@ def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
     assert [ax.get_title() for ax in axes] == ["expert load max/mean per MoE layer", "layer_1: tokens per expert / uniform",
                                                "mtp_1: tokens per expert / uniform"]
     assert [t.get_text() for t in axes[0].get_yticklabels()] == ["layer_1", "mtp_1"]
-    for record in records:  # a log without the names (or of another count) keeps the rows' numbers
-        del record["moe_layers"]
-    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
-    assert [ax.get_title() for ax in figures[1].axes if ax.get_title()][1:] == [f"layer {i}: tokens per expert / uniform" for i in (0, 1)]
+    for names in (None, ["layer_1"], ["layer_1", "mtp_1", "mtp_2"]):  # a log without the names, or of another count: the rows' numbers
+        for record in records:
+            record.pop("moe_layers", None)
+            if names is not None:
+                record["moe_layers"] = names
+        assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+        axes = [ax for ax in figures[-1].axes if ax.get_title()]
+        assert [ax.get_title() for ax in axes][1:] == [f"layer {i}: tokens per expert / uniform" for i in (0, 1)], names
+        assert [t.get_text() for t in axes[0].get_yticklabels()] == ["layer 0", "layer 1"], names
     pyplot.close("all")
 
 
