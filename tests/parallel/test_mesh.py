@@ -12,6 +12,10 @@ def test_sizes_fill_dp_shard_and_fold_experts():
     assert plan_sizes(8, tp=2, ep=4) == dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=2, dp=4, edp=2, ep=4, etp=1)
     assert plan_sizes(8, dp_replicate=2, tp=2, ep=2, etp=2)["edp"] == 2
     assert plan_sizes(1) == dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, dp=1, edp=1, ep=1, etp=1)
+    # experts on the context-parallel ranks too (dp_shard x cp x tp): a long-context run's experts need not fit dp_shard
+    assert plan_sizes(2, cp=2, ep=2) == dict(pp=1, dp_replicate=1, dp_shard=1, cp=2, tp=1, dp=1, edp=1, ep=2, etp=1)
+    assert plan_sizes(4, cp=2, tp=2, ep=4)["edp"] == 1 and plan_sizes(8, dp_shard=2, cp=4, ep=8)["edp"] == 1
+    assert plan_sizes(8, dp_shard=2, cp=4, ep=2)["edp"] == 4
 
 
 @pytest.mark.parametrize("world, kwargs, message", [
@@ -63,7 +67,9 @@ def _views(rank, world):
             dense_only.axis(name)
         except ValueError as err:
             missing.append(str(err))
-    return dict(missing=missing,
+    cp_tp, pp_tp = build_meshes(cp=2, tp=2), build_meshes(pp=2, tp=2)
+    return dict(missing=missing, token_mesh=cp_tp.token_mesh.mesh.tolist(), token_rank=cp_tp.token_mesh.get_local_rank(),
+        pp_mesh=pp_tp.pp_mesh.mesh.tolist(), pp_rank=pp_tp.pp_rank, stage_tp=pp_tp.axis("tp").mesh.tolist(),
         tp=meshes.axis("tp").mesh.tolist(), dp=meshes.axis("dp").mesh.tolist(), ep=meshes.axis("ep").mesh.tolist(),
         edp=meshes.axis("edp").mesh.tolist(), etp=meshes.axis("etp").mesh.tolist(), dp_mesh=meshes.dp_mesh.mesh.tolist(),
         group_sizes={a: meshes.group(a).size() for a in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "edp", "ep", "etp")},
@@ -79,6 +85,8 @@ def test_views_over_four_ranks():
         assert r["tp"] == pair and r["ep"] == pair  # ep folded onto the tp pair: tp is the last axis
         assert r["dp"] == other and r["edp"] == other and r["dp_mesh"] == [other]
         assert r["etp"] == [rank]
+        assert r["token_mesh"] == [0, 1, 2, 3] and r["token_rank"] == rank  # cp_rank * tp + tp_rank, cp_rank = rank // 2
+        assert r["pp_mesh"] == other and r["pp_rank"] == rank // 2 and r["stage_tp"] == pair  # stage s: ranks 2s, 2s + 1
         assert r["group_sizes"] == dict(dp_replicate=1, dp_shard=2, cp=1, tp=2, dp=2, edp=2, ep=2, etp=1)
         assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
         assert r["ep_size"] == 2
