@@ -232,7 +232,49 @@ def _cp_worker(rank, world):
     out["wrong split"] = (refused, torch.equal(own["token_index"], cp_token_index(16, 2, rank % 2)))
     out["gather cp=4"] = _gather_case(cp4, 4, rank, 16, 7)
     out["gather cp=2"] = _gather_case(cp2, 2, rank % 2, 12, 8 + rank // 2)
+    counts = torch.tensor([1, 2, 3]) * (rank + 1)
+    out["sum counts"] = (ContextParallel(cp4).sum_counts(counts), ContextParallel(cp4).sum_counts(counts.double() / 4))
+    out["capacity drop"] = _capacity_drop_case(rank)
     return out
+
+
+def _capacity_drop_case(rank):
+    """ContextCapacityDrop over cp 2 x tp 2 (rank = cp_rank * 2 + tp_rank: tp splits the cp
+    rank's T/cp tokens into contiguous halves) against drop_by_capacity over the whole batch:
+    (this rank's kept slots, the one-process ones) per policy."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fmoe.ops import Routes, drop_by_capacity
+    from fmoe.parallel import ContextCapacityDrop
+
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("cp", "tp"))
+    drop = ContextCapacityDrop(mesh["cp"], mesh["tp"])
+    gen = torch.Generator().manual_seed(3)
+    T, E, k = 16, 4, 2
+    weights, experts = torch.rand(T, k, generator=gen), torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    experts[:10, 0] = 1  # expert 1 over capacity (ceil(16 * 2 / 4) = 8)
+    rows = cp_token_index(T, 2, rank // 2)[(rank % 2) * 4:(rank % 2 + 1) * 4]
+    out = {}
+    for policy in ("probs", "position"):
+        got = drop(Routes(weights[rows], experts[rows]), E, 1.0, policy=policy)
+        whole = drop_by_capacity(Routes(weights, experts), E, 1.0, policy=policy)
+        out[policy] = (got.experts, whole.experts[rows], int((whole.experts == -1).sum()))
+    return out
+
+
+def test_sum_counts_adds_every_cp_rank_s_counts(cp_results):
+    for result in cp_results:
+        counts, floats = result["sum counts"]
+        assert counts.tolist() == [10, 20, 30] and counts.dtype == torch.int64
+        assert floats.tolist() == [2.5, 5.0, 7.5] and floats.dtype == torch.float64
+
+
+def test_capacity_drop_over_cp_and_tp_drops_the_slots_one_process_drops(cp_results):
+    """N processes drop the slots one process drops, on each tp rank's slice of its cp
+    rank's tokens (a tp rank reading the first slice's keep mask dropped another token's)."""
+    for rank, result in enumerate(cp_results):
+        for policy, (got, want, dropped) in result["capacity drop"].items():
+            assert dropped > 0 and torch.equal(got, want), (rank, policy, got, want)
 
 
 @pytest.fixture(scope="module")
@@ -373,14 +415,22 @@ def test_bad_sizes_are_refused_not_padded():
         split_batch(None, 0, 2)  # was an AttributeError
 
 
-def test_split_batch_keeps_cu_seqlens_and_indexes_every_token_field():
+@pytest.mark.parametrize("padding", [0, 4])
+def test_split_batch_keeps_cu_seqlens_and_indexes_every_token_field(padding):
+    """Every per-token field indexed by the rank's tokens (the token_mask of padding too),
+    cu_seqlens global; with a token_mask, routed_tokens its count over the whole batch (the
+    balancing losses' mean runs over it on every rank)."""
     cu = torch.tensor([0, 5, 11, 16])
-    batch = make_batch(torch.randint(0, 50, (16,)), cu, mtp_depth=2)
+    keep = None if not padding else torch.arange(16) < 16 - padding
+    batch = make_batch(torch.randint(0, 50, (16,)), cu, mtp_depth=2, label_mask=keep, token_mask=keep)
+    assert ("token_mask" in batch.keys()) == bool(padding)
     for cp in (2, 4):
         for rank in range(cp):
             local = split_batch(batch, rank, cp)
             index = cp_token_index(16, cp, rank)
-            assert set(local.keys()) == set(batch.keys()) | {"token_index"}
+            assert set(local.keys()) == set(batch.keys()) | {"token_index"} | ({"routed_tokens"} if padding else set())
+            if padding:
+                assert local["routed_tokens"].dtype == torch.int64 and int(local["routed_tokens"]) == 16 - padding
             assert torch.equal(local["token_index"], index) and local["token_index"].dtype == torch.int64
             assert torch.equal(local["cu_seqlens"], batch["cu_seqlens"])  # global, unchanged
             for key in batch.keys():
