@@ -19,6 +19,7 @@ import torch.distributed as dist
 from fmoe import ops
 from fmoe.optim import clip_grad_norm, grad_norm, param_norm, zero_grad_count
 from fmoe.parallel.reduce import (
+    _names_fingerprint,
     all_reduce_counts,
     all_reduce_sums,
     global_load_balancing_loss,
@@ -565,9 +566,14 @@ def _mismatched_names_results(rank):
     # names a weak fingerprint took for the same: crc32 % 2**20 of these two collides; joined by "\0", these two lists read alike
     collided = all_reduce_sums({"loss_130": 1.0} if rank == 0 else {"loss_22100": 2.0}, dist.group.WORLD)
     joined = all_reduce_sums({"a\0b": 1.0, "c": 2.0} if rank == 0 else {"a": 1.0, "b\0c": 2.0}, dist.group.WORLD)
+    # names whose fingerprints agree in their first 32 bits only: each of the three slots is checked, not any one
+    first_slot = "loss_2314" if rank == 0 else "loss_85585"
+    slot_sums = all_reduce_sums({first_slot: 1.5 + rank}, dist.group.WORLD)
+    slot_counts = all_reduce_counts({first_slot: torch.tensor([1, 2])}, dist.group.WORLD, names=[first_slot], n_experts=2)
     return dict(sums={k: v.item() for k, v in sums.items()}, counts={k: v.tolist() for k, v in counts.items()}, order=list(counts),
                 crossed={k: v.tolist() for k, v in crossed.items()},
-                collided={k: v.item() for k, v in collided.items()}, joined={k: v.item() for k, v in joined.items()})
+                collided={k: v.item() for k, v in collided.items()}, joined={k: v.item() for k, v in joined.items()},
+                slot_sums={k: v.item() for k, v in slot_sums.items()}, slot_counts={k: v.tolist() for k, v in slot_counts.items()})
 
 
 def _nan_inf_norm_results(rank, world_size):
@@ -687,6 +693,10 @@ def test_names_that_differ_between_ranks_never_sum_into_each_other(world2):
             assert len(got[key]) == (1 if key == "collided" else 2) and all(v != v for v in got[key].values()), (key, got[key])
         assert got["counts"] == {"layer_1": [11, 2], "layer_2": [3, 18]} and got["order"] == (["layer_1", "layer_2"] if rank == 0 else ["layer_2", "layer_1"])
         assert got["crossed"] == {"layer_1": [-1, -1], "layer_2" if rank == 0 else "layer_3": [-1, -1]}, got["crossed"]
+        name = "loss_2314" if rank == 0 else "loss_85585"
+        assert _names_fingerprint(["loss_2314"])[0] == _names_fingerprint(["loss_85585"])[0]  # the pair's first 32 bits agree
+        assert list(got["slot_sums"]) == [name] and got["slot_sums"][name] != got["slot_sums"][name], got["slot_sums"]
+        assert got["slot_counts"] == {name: [-1, -1]}, got["slot_counts"]
 
 
 def test_global_loss_adds_up_over_ranks_and_gradients_sum(world2, world4):
