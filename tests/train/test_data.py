@@ -621,6 +621,8 @@ def test_whole_documents_start_the_next_batch_instead_of_being_cut():
     with pytest.raises(ValueError, match="n_batches: 1 batches of 11 tokens, each document whole, need more than the dataset's 2 documents"):
         small.validation_batches(11, 1, whole_documents=True)
     assert [b["input_ids"].tolist() for b in small.stored_batches(5)] == [[1, 2, 0, 3, 0]]  # exactly the dataset: once
+    # a next batch would end inside the first document again ([3, 0, 1]): the stored ones stop before it
+    assert [b["input_ids"].tolist() for b in small.stored_batches(3)] == [[1, 2, 0]]
 
 
 def test_token_dataset_checks_its_names_data_and_mask_values():
