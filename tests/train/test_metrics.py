@@ -36,6 +36,11 @@ def test_flops_per_token_by_hand():
     dense = dict(CFG, n_dense=4, mtp_depth=0, n_avg_keys=M.mean_attended_keys([0, 128]))
     H, L, S = 64, 4, 128
     assert M.flops_per_token(**dense) == 6 * H * 3 * 256 * L + L * 6 * (H * 128 + 64 * H) + L * 6 * 64 * S + 6 * H * 1000
+    # sliding layers of their own query heads (Laguna's): grouped-query projections of local_heads, q and o both
+    local = dict(hidden=64, n_layers=2, n_dense=2, ffn_dense=128, ffn_expert=0, k=0, n_shared=0, n_heads=4, n_kv_heads=2, head_dim=16,
+                 vocab=100, n_avg_keys=8, n_sliding=1, n_avg_local_keys=4)
+    extra_heads = 8 - 4  # over n_heads, 16 channels each: q and o of the one sliding layer, its scores and values over 4 keys
+    assert M.flops_per_token(**local, local_heads=8) - M.flops_per_token(**local) == 6 * 2 * 64 * extra_heads * 16 + 12 * extra_heads * 16 * 4
 
 
 def test_mean_attended_keys():
@@ -336,6 +341,9 @@ def test_logger_refuses_a_step_read_metrics_would_leave_out(tmp_path):
         with pytest.raises(ValueError, match=r"step: expected an int, got "):
             log.log(bad, {"loss": 1.5})
     log.log(2, {"loss": 1.5})
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a hand-edited line: JSON's true is no step
+        f.write('{"step": true, "loss": 9.0}\n')
     assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
@@ -1215,6 +1223,18 @@ def test_memory_plan_by_hand_one_process():
     assert M.memory_plan(model, opt)["grads"] == 4 * N_PARAMS  # float32 grads (the default)
     # the plan is made before the first step: no state exists yet, none is created
     assert not opt.state
+
+
+def test_memory_plan_counts_a_shared_tensor_once_and_no_gradient_for_a_frozen_one():
+    """A Linear(4, 2) held by two modules (a pipeline rank's chunks passed as a list) counts
+    once; a frozen weight keeps its bytes and its optimizer's, and has no gradient."""
+    linear = torch.nn.Linear(4, 2)
+    alone = M.memory_plan(linear, torch.optim.AdamW(linear.parameters()))
+    assert (alone["params"], alone["grads"], alone["optimizer"]) == (40, 40, 80)
+    assert M.memory_plan([torch.nn.Sequential(linear), torch.nn.Sequential(linear)], torch.optim.AdamW(linear.parameters())) == alone
+    linear.weight.requires_grad_(False)
+    frozen = M.memory_plan(linear, torch.optim.AdamW(linear.parameters()))
+    assert (frozen["params"], frozen["grads"], frozen["total"]) == (40, 8, 40 + 8 + frozen["optimizer"])
 
 
 def test_memory_plan_refusals():
