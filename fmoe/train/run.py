@@ -68,7 +68,9 @@ from fmoe.ops.checks import check_path
 
 
 def set_deterministic(enabled: bool = True) -> None:
-    """Deterministic kernels for everything torch runs (module docstring); False undoes it."""
+    """Deterministic kernels for everything torch runs (module docstring); False turns torch's
+    deterministic algorithms and cuDNN's deterministic mode off again. cudnn.benchmark stays
+    off either way, and CUBLAS_WORKSPACE_CONFIG stays set (it only fixes cuBLAS's workspace)."""
     if not isinstance(enabled, bool):
         raise ValueError(f"enabled: expected a bool, got {enabled!r}")
     if enabled:

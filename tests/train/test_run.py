@@ -439,6 +439,33 @@ def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_pat
     assert out.stdout.splitlines() == [str(site / "fmoe" / "train" / "run.py"), "None"]
 
 
+def test_set_deterministic_turns_the_modes_on_and_off():
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    try:
+        for enabled in (True, False, True, False):
+            fmoe.train.run.set_deterministic(enabled)
+            assert torch.are_deterministic_algorithms_enabled() is enabled and torch.backends.cudnn.deterministic is enabled
+            assert torch.backends.cudnn.benchmark is False
+        with pytest.raises(ValueError, match="enabled: expected a bool, got 1"):
+            fmoe.train.run.set_deterministic(1)
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
+
+
+def test_run_info_records_the_launcher_s_variables_that_are_set(monkeypatch):
+    """config.json's env: where a segment came from (its SLURM job, its torchrun run)."""
+    launcher = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc", "OMP_NUM_THREADS": "3", "SLURM_JOB_ID": "4242"}
+    for name in launcher:
+        monkeypatch.delenv(name, raising=False)
+    assert fmoe.train.run.run_info()["env"] == {}
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    assert fmoe.train.run.run_info()["env"] == launcher
+
+
 def test_saved_config_is_the_record_or_nothing(tmp_path):
     """The loop's readers of a run's config.json (the resume checks, write_config keeping the
     earlier segments) take {} for a missing, damaged or foreign file."""
