@@ -178,6 +178,9 @@ def test_stats_feed_the_losses_and_bias_update(device):
     x = torch.randn(24, H, device=device)
     _, stats = moe(x, params, cfg)
     assert stats["aux_scores"].shape == (24, 8) and stats["aux_experts"].shape == (24, 2)
+    sig = torch.sigmoid(stats["router_logits"].float())  # a sigmoid router balances on its own scores (SPEC 2), not a softmax
+    torch.testing.assert_close(stats["aux_scores"], sig / sig.sum(-1, keepdim=True))
+    torch.testing.assert_close(stats["aux_experts"].sort(-1).values, sig.topk(2, dim=-1).indices.sort(-1).values, rtol=0, atol=0)
     torch.testing.assert_close(stats["aux_counts"], ops.tokens_per_expert(stats["aux_experts"], 8))
     aux = ops.load_balancing_loss(stats["aux_scores"], stats["aux_counts"], k=2, n_tokens=24)
     seq = ops.seq_load_balancing_loss(stats["aux_scores"], stats["aux_experts"], torch.tensor([0, 10, 24]), k=2)
@@ -187,6 +190,25 @@ def test_stats_feed_the_losses_and_bias_update(device):
     assert not torch.equal(new_bias, params["expert_bias"])
     _, no_aux = moe(x, params, dataclasses.replace(cfg, aux_scores=False))
     assert "aux_scores" not in no_aux.keys()
+
+
+@pytest.mark.parametrize("score, normalize", [("sigmoid", False), ("sigmoid", True), ("softmax", True)])
+def test_hash_routing_weights_the_table_s_experts_by_the_router_s_scores(score, normalize, device):
+    """A hashed layer: token t takes the experts table[token_ids[t]], weighted by its router's
+    scores of them (divided by their sum with normalize): y_t = sum_j w_tj expert_j(x_t)."""
+    cfg = MoEConfig(n_experts=4, k=2, score=score, normalize=normalize)
+    params = _params(cfg, torch.float32, device)
+    table, ids = torch.tensor([[0, 1], [2, 3], [1, 3]], device=device), torch.tensor([0, 1, 2, 0, 1, 2], device=device)
+    x = torch.randn(6, H, device=device)
+    y = moe(x, dict(params, hash_table=table), cfg, token_ids=ids)[0]
+    logits = (x @ params["router"].T).float()
+    scores = torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, -1)
+    want = []
+    for t in range(6):
+        chosen = table[ids[t]]
+        w = scores[t, chosen] / (scores[t, chosen].sum() if normalize else 1)
+        want.append(sum(wj * (F.silu(x[t] @ params["w_gate"][e]) * (x[t] @ params["w_up"][e])) @ params["w_down"][e] for wj, e in zip(w, chosen)))
+    torch.testing.assert_close(y, torch.stack(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["softmax top-2", "sigmoid groups bias shared", "zero experts softmax"])
