@@ -265,6 +265,11 @@ def test_clip_qkv_clamps_q_k_and_v_and_is_checked():
         loose, tight = (dataclasses.replace(CFG, clip_qkv=c) for c in (bound, 0.5))
         assert torch.equal(attention(x, p, loose, _ctx(cu, loose))[0], plain)
         assert _rel(attention(x, p, tight, _ctx(cu, tight))[0], plain) > 1e-1
+        # the clamp comes after the biases: biases of 10 put every q, k and v channel at the bound 0.5, whatever x is,
+        # so every query attends evenly to values of 0.5 (clamping before the biases left them near 10)
+        N, G, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
+        big = dict(p, bq=torch.full((N * D,), 10.0), bk=torch.full((G * D,), 10.0), bv=torch.full((G * D,), 10.0))
+        torch.testing.assert_close(attention(x, big, tight, _ctx(cu, tight))[0], torch.full((17, N * D), 0.5) @ p["wo"])
     for bad in (0, -1.0, math.inf, True, "8"):
         with pytest.raises(ValueError, match=r"clip_qkv: expected None or a finite number > 0, got "):
             dataclasses.replace(CFG, clip_qkv=bad)
@@ -686,6 +691,7 @@ def _create_block_mask(dense, block):
     ([0, 3, 3, 40, 41, 100, 300], 16, False, 7),
     ([0, 300], 16, True, 50),
     ([0, 16, 32, 48, 64, 200, 256], 16, True, 32),
+    ([0, 300], 16, False, 31),                        # one key short of two blocks: no pair is full (one key too wide made some)
     ([0, 5, 130, 250, 300], 128, False, 100),
 ])
 def test_block_mask_is_create_block_masks_without_the_dense_mask(cu, block, has_full, window):
@@ -1338,6 +1344,16 @@ def test_a_layer_without_an_indexer_attends_to_the_keys_another_chose():
         assert torch.equal(a, b)
     other = torch.where(torch.arange(3) == 0, -1, choice)  # another choice: the best key left out
     assert _rel(attention(x, mla_p, shared, _ctx(cu, shared), index_choice=other)[0], y) > 1e-2
+    # a sliding-window layer reusing a full layer's choice: only the chosen keys inside its own window
+    local = dataclasses.replace(shared, window=2)
+    t = torch.arange(17)[:, None]
+    in_window = (choice >= 0) & (t - choice < 2)
+    assert int(((choice >= 0) & ~in_window).sum()) > 10  # most of the choice is outside the window
+    with torch.no_grad():
+        y_local = attention(x, mla_p, local, _ctx(cu, local), index_choice=choice)[0]
+        torch.testing.assert_close(y_local, attention(x, mla_p, local, _ctx(cu, local), index_choice=torch.where(in_window, choice, -1))[0],
+                                   rtol=0, atol=0)
+        assert _rel(y_local, attention(x, mla_p, shared, _ctx(cu, shared), index_choice=choice)[0]) > 1e-2
     with pytest.raises(ValueError, match=r"index_choice: expected the keys an earlier layer chose .* got None with index_shared = True"):
         attention(x, mla_p, shared, _ctx(cu, shared))
     with pytest.raises(ValueError, match=r"index_choice: expected .* got a choice with index_shared = False"):
