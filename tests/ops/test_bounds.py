@@ -18,6 +18,7 @@ test_experts.py::test_zero_unowned puts its tensors inside guards).
 
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -133,16 +134,6 @@ def guarded_launches(also=lambda: ()):
             setattr(InterpreterBuilder, name, method)
 
 
-@contextmanager
-def _setattr(module, name, value):
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
-
-
 def _grads(out, inputs, seed=1):
     """The outputs, and the gradients of a random weighting of the float outputs."""
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
@@ -177,7 +168,7 @@ def _dispatch(gen, by="scatter", dtype=torch.float32):
     x = _leaf(19, 5, gen=gen, dtype=dtype)
     experts = torch.randint(-1, 5, (19, 3), generator=gen)  # 5 experts: a partial block of them
     weights = torch.rand(19, 3, generator=gen).requires_grad_()
-    with _setattr(dispatch_module, "PERMUTE_BY", by):
+    with patch.object(dispatch_module, "PERMUTE_BY", by):
         x_perm, plan = ops.permute(x, experts, 5, align=4, impl="triton")
         y = ops.unpermute(x_perm * 1.5, plan, weights, impl="triton")
         return _grads((x_perm, y), [x, weights])
