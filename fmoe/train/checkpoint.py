@@ -954,7 +954,8 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     zero-lr step on zero gradients), then overwritten bit for bit; the parameters the
     checkpoint holds no optimizer state for (no gradient before the save: AdamW and Muon keep
     none) are left without state, as they were then, and so are the optimizers the checkpoint
-    saved before their first step. Under several processes, every rank (of the default
+    saved before their first step. Gradients the parameters hold (a step before the load) are
+    left as they are, and the state loads all the same. Under several processes, every rank (of the default
     group) calls it: a file that one rank cannot read, another newest checkpoint found by
     one rank, or extras of different steps raise the same error on every rank, before the
     model's collectives.
@@ -977,6 +978,21 @@ def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, opt
     optimizers = _optimizers(optimizers)
     models = _models(model)
     pairs = _pairs(models, optimizers)
+    # DCP makes a fresh optimizer's state by a step on zero gradients, and makes none where a
+    # parameter holds a gradient already (a step before the load): the state was left empty,
+    # without a word. The gradients are set aside while the state is made and loaded.
+    held = {p: p.grad for opt in optimizers for group in opt.param_groups for p in group["params"] if p.grad is not None}
+    for p in held:
+        p.grad = None
+    try:
+        _load_state(path, stored, pairs, models, optimizers)
+    finally:
+        for p, grad in held.items():
+            p.grad = grad
+
+
+def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimizers: list) -> None:
+    """_load_held's reading, with no gradient on the optimizers' parameters."""
     state, parts = _state(pairs)
     error = None
     try:  # each rank checks its own parameters (a pipeline stage's): agreed before the load's collectives

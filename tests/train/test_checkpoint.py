@@ -108,6 +108,25 @@ def test_round_trip_bit_identical(tmp_path):
     _assert_identical(_tensors(model, opts), _tensors(fresh, fresh_opts))
 
 
+def test_a_load_into_parameters_holding_gradients_restores_the_state_and_keeps_them(tmp_path):
+    """A gradient computed before the load (a warm-up step, a probe of the memory): DCP makes a
+    fresh optimizer's state only where no parameter holds a gradient, so the load left every
+    moment unloaded without a word, and the next step ran a first step's update. The state
+    loads bit for bit, and the gradients are left as they were."""
+    model, opts = _build()
+    _train(model, opts)
+    before = _tensors(model, opts)
+    ckpt.save(tmp_path, 2, model=model, optimizers=opts)
+    fresh, fresh_opts = _build()
+    y, _ = fresh["moe"](torch.randn(12, 16))
+    fresh["head"](y).square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in fresh.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in grads.values())
+    ckpt.load(tmp_path, model=fresh, optimizers=fresh_opts)
+    _assert_identical(before, _tensors(fresh, fresh_opts))
+    assert all(torch.equal(p.grad, grads[name]) for name, p in fresh.named_parameters())
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_save_before_the_first_step_changes_nothing(tmp_path, async_):
     """DCP's get_state_dict makes a fresh optimizer's state by a step at lr 0: a save before the
