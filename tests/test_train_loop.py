@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import re
 import shutil
 import signal
@@ -611,6 +612,92 @@ def test_muon_keeps_bf16_adamw_states_and_a_resume_runs_at_its_own_lr(tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3, 4] and b[2]["lr"] == pytest.approx(10 * a[2]["lr"])
     assert b[2]["loss"] == a[2]["loss"]  # step 3's loss is of step 2's weights: the same checkpoint
     assert b[3]["loss"] != pytest.approx(a[3]["loss"], rel=1e-4)  # step 3's update ran at the new lr
+
+
+@pytest.mark.parametrize("optimizer, bias_update", [("adamw", "proportional"), ("muon", "sign")])
+def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, bias_update):
+    """The step's objective as SPEC states it, recomputed here from the step's micro-batches
+    (the sampler's first two: documents of other lengths, whole, so that the micro-batches
+    count other tokens): the language-model and each MTP depth's loss the mean over the
+    step's counted tokens (not a mean of the micro-batches' means), the MTP losses weighed
+    lambda / D, each balancing loss the mean over the MoE layers and the micro-batches, times
+    its own coefficient. The step runs at lr 0 (the warmup's start), so the checkpoint keeps
+    the weights it was computed with, and the optimizer's state holds what the step did with
+    the gradient: the logged losses and gradient norm are the objective's, the first moments
+    the gradient clipped to --clip, each expert bias moved by the step's counts by the
+    --bias_update rule, and the embeddings undecayed (--decay_embeddings=False)."""
+    from fmoe import ops
+    from fmoe.optim import AdamW, build_optimizers, split_param_groups
+    from fmoe.train import checkpoint
+    from fmoe.train.data import BlendSampler, load_blend
+
+    data, rng = tmp_path / "docs", random.Random(0)
+    data.mkdir()
+    for i in range(24):
+        (data / f"d{i:02d}.txt").write_text("".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 110))))
+    lam, depth, coeffs, clip, rate, decay = 0.1, 2, {"seq_aux_loss": 0.01, "aux_loss": 0.02, "z_loss": 0.003}, 0.05, 0.03, 0.1
+    run = _train(tmp_path / "run", f"--data={data}", "--steps=1", "--warmup=1", "--init_lr=0", "--eval_batches=0", "--whole_documents",
+                 f"--model.mtp_depth={depth}", f"--mtp_lambda={lam}", *(f"--{name.removesuffix('_loss')}_coeff={c}" for name, c in coeffs.items()),
+                 f"--clip={clip}", f"--bias_rate={rate}", f"--bias_update={bias_update}", f"--weight_decay={decay}", "--decay_embeddings=False",
+                 f"--optimizer={optimizer}", "--deterministic")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (record,) = _records(tmp_path / "run")
+    assert (record["lr"], record["batch_size"], record["tokens"]) == (0.0, 2, 256)
+
+    model, config = checkpoint.load_run(tmp_path / "run")
+    moved = {name: moe.expert_bias.clone() for name, moe in model.moe_layers().items()}
+    for moe in model.moe_layers().values():  # the biases the step routed with
+        moe.expert_bias.zero_()
+    sampler = BlendSampler(load_blend(str(data)), 128, seed=config["config"]["seed"], mtp_depth=depth, whole_documents=True)
+    batches = [sampler.next_batch() for _ in range(2)]
+    outs = [model(batch, model.context(batch)) for batch in batches]
+    tokens = [int(losses["lm_tokens"]) for losses, _ in outs]
+    assert sum(tokens) == record["loss_tokens"] and tokens[0] != tokens[1], tokens  # the loop's micro-batches, of other counts
+    mean = {"loss": sum(losses["lm_sum"] for losses, _ in outs) / sum(tokens)}
+    for d in range(1, depth + 1):
+        mean[f"mtp_{d}_loss"] = sum(losses[f"mtp_{d}_sum"] for losses, _ in outs) / sum(losses[f"mtp_{d}_tokens"] for losses, _ in outs)
+    terms = {name: [] for name in coeffs}
+    for batch, (_, stats) in zip(batches, outs):
+        mask = batch["token_mask"]
+        for layer in stats.values():  # the trunk's MoE layer and the MTP modules'
+            terms["seq_aux_loss"].append(ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"],
+                                                                     k=model.cfg.k, mask=mask))
+            terms["aux_loss"].append(ops.load_balancing_loss(layer["aux_scores"], layer["aux_counts"], k=model.cfg.k, n_tokens=mask.sum()))
+            terms["z_loss"].append(ops.z_loss(layer["router_logits"], mask=mask))
+    assert len(terms["z_loss"]) == 2 * 3
+    mean |= {name: sum(values) / len(values) for name, values in terms.items()}
+    objective = (mean["loss"] + lam / depth * sum(mean[f"mtp_{d}_loss"] for d in range(1, depth + 1))
+                 + sum(c * mean[name] for name, c in coeffs.items()))
+    objective.backward()
+    for name, value in mean.items():
+        assert record[name] == pytest.approx(value.item(), rel=1e-5), name
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    norm = torch.cat([g.flatten() for g in grads.values()]).norm().item()
+    assert record["grad_norm"] == pytest.approx(norm, rel=1e-5) and norm > 10 * clip
+    counts = {name: sum(stats[name]["tokens_per_expert"] for _, stats in outs) for name in moved}
+    for name, bias in moved.items():
+        assert torch.equal(bias, ops.update_expert_bias(torch.zeros(4), counts[name], rate, proportional=bias_update == "proportional")), name
+    if bias_update == "sign":
+        assert set(torch.cat(list(moved.values())).abs().tolist()) <= {0.0, float(torch.tensor(rate))}  # +-rate in float32
+
+    # the optimizers as the loop builds them, loaded: the step's first moments, and the groups' weight decay as saved
+    model = checkpoint.load_run(tmp_path / "run")[0]
+    groups = dict(muon_lr=1.0, adamw_lr=1.0, weight_decay=decay, decay_embeddings=False)
+    optimizers = ([AdamW(split_param_groups(model, muon=False, **groups)[1], lr=1.0)] if optimizer == "adamw"
+                  else build_optimizers(model, **groups, adamw_cls=AdamW))
+    checkpoint.load(tmp_path / "run", model=model, optimizers=optimizers)
+    names, factor = {p: name for name, p in model.named_parameters()}, clip / (norm + 1e-6)
+    moments = 0
+    for opt in optimizers:
+        for group in opt.param_groups:
+            wanted = 0.0 if {"embed", "head"} & {names[p] for p in group["params"]} or all(p.ndim < 2 for p in group["params"]) else decay
+            assert group["weight_decay"] == wanted, [names[p] for p in group["params"]]
+            for p in group["params"]:
+                state = opt.state[p]
+                moment = state["exp_avg"] / (1 - group["betas"][0]) if "exp_avg" in state else state["momentum_buffer"]
+                torch.testing.assert_close(moment, grads[names[p]] * factor, rtol=1e-4, atol=1e-9, msg=names[p])
+                moments += 1
+    assert moments == len(grads)
 
 
 def test_hashed_moe_layers_train_beside_balanced_ones(tmp_path):
