@@ -207,6 +207,7 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     records = _records(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 31))
+    assert [r["tokens"] for r in records] == [256 * step for step in range(1, 31)]  # the tokens seen: 2 micro-batches of 128 a step
     first, last = records[0], records[-1]
     assert sum(r["loss"] for r in records[-5:]) / 5 < 0.75 * first["loss"]
     assert records[9]["val_loss"] > last["val_loss"]
@@ -431,13 +432,16 @@ def test_a_run_of_a_trillion_steps_plans_its_tokens_at_once(tmp_path):
     schedule's last threshold the rest is one product."""
     try:
         run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000000000000",
-                              "--eval_batches=0", "--stop_at=1", "--batch_schedule=0:2 1K:3"], capture_output=True, text=True, timeout=300)
+                              "--eval_batches=0", "--stop_at=5", "--batch_schedule=0:2 1K:3"], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        pytest.fail("--steps=1e12 --stop_at=1 did not stop within 300 s")
+        pytest.fail("--steps=1e12 --stop_at=5 did not stop within 300 s")
     assert run.returncode == 0, run.stderr[-3000:]
     # 4 steps of 2 x 128 tokens reach 1K, then 1e12 - 4 steps of 3 x 128
     assert f"the run reads {4 * 256 + (10**12 - 4) * 384:,} tokens" in run.stdout, run.stdout
-    assert re.search(r"^stopped: step 1, ", run.stdout, flags=re.M), run.stdout
+    assert re.search(r"^stopped: step 5, ", run.stdout, flags=re.M), run.stdout
+    # the steps follow the schedule by the tokens seen (not by the step's number)
+    records = _records(tmp_path)
+    assert [(r["batch_size"], r["tokens"]) for r in records] == [(2, 256), (2, 512), (2, 768), (2, 1024), (3, 1408)]
 
 
 def test_a_resume_whose_schedule_changed_says_so(tmp_path):
@@ -467,6 +471,18 @@ def test_a_resume_whose_schedule_changed_says_so(tmp_path):
     assert re.search(r"^note: step 3 runs at a learning rate of [\d.e-]+ by this run's schedule, where the run's own gave [\d.e-]+: "
                      r"--steps=300 \(was 50\), warmup 20 steps \(was 5\); a resumed run", extended.stdout, flags=re.M), extended.stdout
 
+
+
+def test_the_schedule_s_defaults_are_those_its_knobs_name(tmp_path):
+    """--min_lr=-1 is a tenth of --lr and --wsd_decay=-1 a fifth of the steps after the
+    warmup (here ceil(10 / 5) = 2 of 12 steps): step n runs at the rate after n - 1 steps,
+    so step 12 is halfway down the decay, at lr - (lr - lr / 10) / 2."""
+    run = _train(tmp_path, "--steps=12", "--warmup=2", "--lr_style=wsd", "--min_lr=-1", "--eval_batches=0", "--batch_schedule=0:1",
+                 "--tokens_per_micro_batch=32")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "config.json").read_text())["wsd_decay"] == 2
+    lr = [r["lr"] for r in _records(tmp_path)]
+    assert lr == pytest.approx([0.0, 0.005] + [0.01] * 9 + [0.0055]), lr
 
 def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
     """A corpus concatenated into one file is one document: the sampler shuffles documents,
