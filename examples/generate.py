@@ -16,8 +16,9 @@ decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: gre
 --temperature=0, else softmax(logits / temperature) restricted to the --top_k most likely
 tokens (0: all), then, renormalised, to the smallest set of them whose probability reaches
 --top_p (nucleus sampling; transformers' order of the two), continuation i from a
-generator of its own seeded by --seed + i (so continuation 0 of --samples=4 is the one of
---samples=1, whatever the others draw). The prompt runs once, then each new token alone against the keys and values of
+generator of its own seeded by (--seed + i) mod 2**32 (so continuation 0 of --samples=4 is the one
+of --samples=1, whatever the others draw; torch's CPU generator keeps 32 bits of a seed, so
+--seed is in [0, 2**32)). The prompt runs once, then each new token alone against the keys and values of
 the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens, made up
 front: refused, naming --tokens and its bytes, where it would not fit the device's free memory).
 A run on prepared token files speaks the tokenizer their index names (when that file is
@@ -362,7 +363,7 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
     prompt or ids that are not the model's, `tokens` not an int >= 0 or past the model's
     learned positions (abs_positions), a temperature not a finite number >= 0, top_p
-    outside (0, 1], or top_k not an int >= 0."""
+    outside (0, 1], top_k not an int >= 0, or a seed outside [0, 2**32)."""
     return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos, top_k=top_k)[0]
 
 
@@ -387,11 +388,12 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     generate gives it alone, unless the model has a capacity_factor: a step's capacity
     counts every sequence's token in it, so it may drop other slots than one sequence's
     step alone (Transformer.decode). Sampling draws sequence i's tokens from a generator of
-    its own seeded by seed + i (mod 2**64): what a sequence draws does not depend on the
+    its own seeded by (seed + i) mod 2**32: what a sequence draws does not depend on the
     others (how many, when they stop), and prompts[i] draws as generate(prompts[i],
     seed=seed + i) does, unless a capacity_factor drops slots. A sequence stops at `eos`: an
     id, or several (a chat model's end of turn and end of text). ValueError as generate's,
-    and for no prompts, and when the model's logits for a next token hold a NaN or no finite
+    and for no prompts, a seed outside [0, 2**32) (torch's CPU generator keeps its low 32
+    bits: seeds 2**32 apart drew alike), and when the model's logits for a next token hold a NaN or no finite
     value (nothing to draw from).
 
     group: for a model parallelized over several processes (load_sharded), the process
@@ -420,8 +422,8 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k: expected an int >= 0 (0: every token), got {top_k!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:  # torch.Generator's range
-        raise ValueError(f"seed: expected an int in [-2**63, 2**64), got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:  # the bits torch's CPU generator keeps
+        raise ValueError(f"seed: expected an int in [0, 2**32) (torch's CPU generator keeps 32 bits of a seed), got {seed!r}")
     limit, longest = model.cfg.abs_positions, max(map(len, prompts))  # learned positions: a bound before any token is drawn
     if limit is not None and longest > limit:
         raise ValueError(f"prompt: expected at most {limit} tokens, the model's learned positions (abs_positions), got {longest}")
@@ -430,7 +432,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
                          f"learned positions, abs_positions), got {tokens}")
     stops = _stop_set(eos)
     model.eval()
-    gens = [torch.Generator().manual_seed((seed + b) % 2**64) for b in range(len(prompts))]
+    gens = [torch.Generator().manual_seed((seed + b) % 2**32) for b in range(len(prompts))]
     out = [list(prompt) for prompt in prompts]
     device = model.embed.device
     cache = _kv_cache(model, max(map(len, prompts)) + tokens, len(prompts), device, group)
@@ -537,7 +539,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all), before --top_p")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="in [0, 2**32); continuation i draws with (--seed + i) mod 2**32")
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

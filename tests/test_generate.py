@@ -237,6 +237,8 @@ def test_a_batch_of_prompts_decodes_as_each_prompt_alone(run_dir):
     prompts = [list(b"def "), list(b"import os"), list(b"x")]
     alone = [generate.generate(model, p, tokens=6) for p in prompts]
     assert generate.generate_many(model, prompts, tokens=6) == alone
+    first = alone[0][len(prompts[0])]  # an end drawn as the first new token ends the sequence there
+    assert generate.generate_many(model, prompts, tokens=6, eos=first)[0] == prompts[0] + [first]
     eos = alone[0][len(prompts[0]) + 1]  # the first prompt's second new token ends it
     stopped = generate.generate_many(model, prompts, tokens=6, eos=eos)
     assert stopped == [generate.generate(model, p, tokens=6, eos=eos) for p in prompts]
@@ -311,9 +313,12 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     (dict(tokens=-1), r"tokens: expected an int >= 0 \(new tokens\), got -1"),
     (dict(tokens=2.5), r"tokens: expected an int >= 0 \(new tokens\), got 2.5"),  # was kv_cache's "max_tokens: ..., got 8.5"
     (dict(tokens="3"), r"tokens: expected an int >= 0 \(new tokens\), got '3'"),  # was a TypeError
-    (dict(seed=2**64), r"seed: expected an int in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),  # was torch's "Overflow when unpacking long long"
-    (dict(seed=-2**63 - 1), r"seed: expected an int in \[-2\*\*63, 2\*\*64\), got -9223372036854775809"),
-    (dict(seed=1.5), r"seed: expected an int in \[-2\*\*63, 2\*\*64\), got 1.5"),
+    # torch's CPU generator keeps the low 32 bits of a seed: --seed=2**32 drew as --seed=0 did, and 2**64 raised its "Overflow
+    # when unpacking long long"
+    (dict(seed=2**32), r"seed: expected an int in \[0, 2\*\*32\) \(torch's CPU generator keeps 32 bits of a seed\), got 4294967296"),
+    (dict(seed=2**64), r"seed: expected an int in \[0, 2\*\*32\) .*, got 18446744073709551616"),
+    (dict(seed=-1), r"seed: expected an int in \[0, 2\*\*32\) .*, got -1"),
+    (dict(seed=1.5), r"seed: expected an int in \[0, 2\*\*32\) .*, got 1.5"),
 ])
 def test_bad_sampling_knobs(run_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -420,7 +425,13 @@ def test_each_continuation_draws_from_a_generator_of_its_own(run_dir):
     other = list(b"import ")
     mixed = generate.generate_many(model, [other, prompt], seed=4, **args)
     assert mixed[1] == batch[0] and mixed[0] == generate.generate(model, other, seed=4, **args)
-    assert generate.generate_many(model, [prompt], seed=-1, **args)[0] == generate.generate(model, prompt, seed=2**64 - 1, **args)
+    # the seeds past the last wrap to the first
+    assert generate.generate_many(model, [prompt] * 2, seed=2**32 - 1, **args)[1] == generate.generate(model, prompt, seed=0, **args)
+    # a sequence that stops at its first draw leaves the others drawing from their own generators
+    end = mixed[0][len(other)]  # other's first new token
+    ended = generate.generate_many(model, [other, prompt, prompt], seed=4, eos=end, **args)
+    assert ended[0] == other + [end] and ended[1:] == [generate.generate(model, prompt, seed=4 + i, eos=end, **args) for i in (1, 2)]
+    assert min(len(e) for e in ended[1:]) > len(prompt) + 2, ended  # drawing on past the first one's end
 
 
 def test_learned_positions_bound_the_prompt_and_tokens(tmp_path):
