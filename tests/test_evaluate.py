@@ -51,6 +51,7 @@ def test_a_run_s_defaults_reproduce_its_logged_validation_loss(run_dir):
         assert len(result["mtp_losses"]) == 1 and result["mtp_losses"][0] > 0
     text = _cli(out)
     assert text.returncode == 0 and text.stdout.startswith("stdlib: ") and "bits per byte" in text.stdout and "mtp depth 1: loss" in text.stdout
+    assert [line.split(":")[0] for line in text.stdout.splitlines()] == ["stdlib", "mtp depth 1"]  # one source: no "all" line repeating it
 
 
 def test_torchrun_on_any_mesh_gives_the_one_process_numbers(run_dir):
@@ -372,6 +373,10 @@ def test_choices_of_a_run_on_one_process_and_under_torchrun(run_dir, tmp_path):
     # the context's trailing space moves to the choice (lm-evaluation-harness's pairing): the same bytes, split at the word
     assert questions[0]["contexts"] == [list(b"import")] * 2 and questions[0]["choices"] == [list(b" os"), list(b" zzqx")]
     assert questions[1]["choices"][2] == list(b" (x)") and questions[1]["lengths"] == [2, 3, 4] and questions[0]["lengths"] == [2, 4]
+    # lm-evaluation-harness's files: choices written without their space, --delimiter=" ": the same pairs, and each length the
+    # choice's own characters (acc_norm's), not the delimiter's too
+    harness = _write_jsonl(tmp_path / "harness.jsonl", [dict(context="import", choices=["os", "zzqx"], answer=0)])
+    assert evaluate.read_choices(harness, encode, delimiter=" ") == questions[:1]
     logprobs, cut = evaluate.choice_logprobs(model, [p for q in questions for p in zip(q["contexts"], q["choices"])], tokens=16,
                                              device=torch.device("cpu"))
     assert cut == 4  # the 20 bytes of "def f(x):\n    return" and any choice do not fit 16, nor "for i in " + "range(10):"
