@@ -630,14 +630,21 @@ def test_muon_keeps_bf16_adamw_states_and_a_resume_runs_at_its_own_lr(tmp_path):
     assert b[3]["loss"] != pytest.approx(a[3]["loss"], rel=1e-4)  # step 3's update ran at the new lr
 
 
-@pytest.mark.parametrize("optimizer, bias_update", [("adamw", "proportional"), ("muon", "sign")])
-def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, bias_update):
+# DeepSeek sparse attention (its indexers trained by their own loss) and a mixture of attention heads (its routers balanced)
+DSA = ["--model.n_kv_heads=2", "--model.rope_dim=4", "--model.q_rank=10", "--model.kv_rank=6", "--model.v_head_dim=5",
+       "--model.index_topk=3", "--model.index_heads=2", "--model.index_head_dim=6", "--model.index_loss_coeff=0.5"]
+MOA = ["--model.moa_experts=3", "--model.moa_topk=2", "--model.moa_aux_coeff=0.05"]
+
+
+@pytest.mark.parametrize("optimizer, bias_update, attention", [("adamw", "proportional", "moa"), ("muon", "sign", "dsa")])
+def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, bias_update, attention):
     """The step's objective as SPEC states it, recomputed here from the step's micro-batches
     (the sampler's first two: documents of other lengths, whole, so that the micro-batches
     count other tokens): the language-model and each MTP depth's loss the mean over the
     step's counted tokens (not a mean of the micro-batches' means), the MTP losses weighed
     lambda / D, each balancing loss the mean over the MoE layers and the micro-batches, times
-    its own coefficient. The step runs at lr 0 (the warmup's start), so the checkpoint keeps
+    its own coefficient; the indexers' and attention routers' losses weighed by their
+    coefficients over the micro-batches (and the attention blocks). The step runs at lr 0 (the warmup's start), so the checkpoint keeps
     the weights it was computed with, and the optimizer's state holds what the step did with
     the gradient: the logged losses and gradient norm are the objective's, the first moments
     the gradient clipped to --clip, each expert bias moved by the step's counts by the
@@ -655,7 +662,7 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
     run = _train(tmp_path / "run", f"--data={data}", "--steps=1", "--warmup=1", "--init_lr=0", "--eval_batches=0", "--whole_documents",
                  f"--model.mtp_depth={depth}", f"--mtp_lambda={lam}", *(f"--{name.removesuffix('_loss')}_coeff={c}" for name, c in coeffs.items()),
                  f"--clip={clip}", f"--bias_rate={rate}", f"--bias_update={bias_update}", f"--weight_decay={decay}", "--decay_embeddings=False",
-                 f"--optimizer={optimizer}", "--deterministic")
+                 f"--optimizer={optimizer}", "--deterministic", *{"dsa": DSA, "moa": MOA}[attention])
     assert run.returncode == 0, run.stderr[-3000:]
     (record,) = _records(tmp_path / "run")
     assert (record["lr"], record["batch_size"], record["tokens"]) == (0.0, 2, 256)
@@ -666,7 +673,17 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
         moe.expert_bias.zero_()
     sampler = BlendSampler(load_blend(str(data)), 128, seed=config["config"]["seed"], mtp_depth=depth, whole_documents=True)
     batches = [sampler.next_batch() for _ in range(2)]
-    outs = [model(batch, model.context(batch)) for batch in batches]
+    blocks = len(model.moa_attentions())
+    model.set_index_loss_weight(model.cfg.index_loss_coeff / 2)  # the indexers' and routers' losses, added in the backward
+    model.set_moa_aux_weight(model.cfg.moa_aux_coeff / (blocks * 2) if blocks else 0.0)
+    outs, apart = [], {"index_loss": [], "moa_aux_loss": []}
+    for batch in batches:
+        outs.append(model(batch, model.context(batch)))
+        apart["index_loss"].append(model.index_loss_sum())
+        apart["moa_aux_loss"].append(model.moa_aux_loss_sum())
+    apart = {name: sum(values) / len(values) / (blocks if name == "moa_aux_loss" else 1)
+             for name, values in apart.items() if values[0] is not None}
+    assert apart.keys() == {"dsa": {"index_loss"}, "moa": {"moa_aux_loss"}}[attention] and blocks == (4 if attention == "moa" else 0)  # 2 blocks, 2 MTP blocks
     tokens = [int(losses["lm_tokens"]) for losses, _ in outs]
     assert sum(tokens) == record["loss_tokens"] and tokens[0] != tokens[1], tokens  # the loop's micro-batches, of other counts
     mean = {"loss": sum(losses["lm_sum"] for losses, _ in outs) / sum(tokens)}
@@ -681,7 +698,7 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
             terms["aux_loss"].append(ops.load_balancing_loss(layer["aux_scores"], layer["aux_counts"], k=model.cfg.k, n_tokens=mask.sum()))
             terms["z_loss"].append(ops.z_loss(layer["router_logits"], mask=mask))
     assert len(terms["z_loss"]) == 2 * 3
-    mean |= {name: sum(values) / len(values) for name, values in terms.items()}
+    mean |= {name: sum(values) / len(values) for name, values in terms.items()} | apart
     objective = (mean["loss"] + lam / depth * sum(mean[f"mtp_{d}_loss"] for d in range(1, depth + 1))
                  + sum(c * mean[name] for name, c in coeffs.items()))
     objective.backward()
