@@ -708,6 +708,8 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
     norm = torch.cat([g.flatten() for g in grads.values()]).norm().item()
     assert record["grad_norm"] == pytest.approx(norm, rel=1e-5) and norm > 10 * clip
     counts = {name: sum(stats[name]["tokens_per_expert"] for _, stats in outs) for name in moved}
+    assert record["tokens_per_expert"] == [counts[name].tolist() for name in moved]  # the trunk's layer, then the MTP blocks'
+    assert record["padding_tokens"] == 256 - sum(int(batch["token_mask"].sum()) for batch in batches) > 0
     for name, bias in moved.items():
         assert torch.equal(bias, ops.update_expert_bias(torch.zeros(4), counts[name], rate, proportional=bias_update == "proportional")), name
     if bias_update == "sign":
