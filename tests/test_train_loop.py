@@ -651,7 +651,7 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
     --bias_update rule, and the embeddings undecayed (--decay_embeddings=False)."""
     from fmoe import ops
     from fmoe.optim import AdamW, build_optimizers, split_param_groups
-    from fmoe.train import checkpoint
+    from fmoe.train import checkpoint, metrics
     from fmoe.train.data import BlendSampler, load_blend
 
     data, rng = tmp_path / "docs", random.Random(0)
@@ -710,6 +710,12 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
     counts = {name: sum(stats[name]["tokens_per_expert"] for _, stats in outs) for name in moved}
     assert record["tokens_per_expert"] == [counts[name].tolist() for name in moved]  # the trunk's layer, then the MTP blocks'
     assert record["padding_tokens"] == 256 - sum(int(batch["token_mask"].sum()) for batch in batches) > 0
+    # the FLOPs of the step's own documents (SPEC 8): keys attended (and the indexers' kept ones) and expert slots computed,
+    # each a mean over the step's micro-batches (the slots a mean over the MoE layers, per step token)
+    keys = lambda *kept: sum(metrics.mean_attended_keys(batch["cu_seqlens"], *kept) for batch in batches) / 2  # noqa: E731
+    slots = sum(sum(c.tolist()) for c in counts.values()) / len(counts) / 256
+    assert record["flops_per_token"] == pytest.approx(metrics.model_flops_per_token(
+        model.cfg, n_avg_keys=keys(), k=slots, n_avg_index_keys=keys(model.cfg.index_topk) if attention == "dsa" else None), rel=1e-12)
     for name, bias in moved.items():
         assert torch.equal(bias, ops.update_expert_bias(torch.zeros(4), counts[name], rate, proportional=bias_update == "proportional")), name
     if bias_update == "sign":
