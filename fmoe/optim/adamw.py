@@ -572,7 +572,9 @@ class AdamW(torch.optim.Optimizer):
         self.impl = impl
         self._cache = _TableCache()
         # each parameter's step count as a Python number, beside state["step"] (a CPU tensor,
-        # the checkpointed form): buckets are keyed by it without reading a tensor each step
+        # the checkpointed form): buckets are keyed by it without reading a tensor each step.
+        # Held with the tensor and its version: a state["step"] edited or replaced since (an
+        # optimizer reset by hand) is read again, as torch's AdamW reads it
         self._steps: dict = {}
 
     def __getstate__(self) -> dict:
@@ -615,7 +617,7 @@ class AdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            self._steps[p] = 0.0
+            self._steps[p] = (0.0, state["step"], state["step"]._version)
             state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
         if "master" not in state and self._wants_master(p):
@@ -700,10 +702,11 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self._init_state(p)
-                step = self._steps.get(p)
-                step = (float(state["step"]) if step is None else step) + 1  # read once after a load
-                self._steps[p] = step
-                state["step"].fill_(step)
+                counted, cached = state["step"], self._steps.get(p)
+                fresh = cached is not None and cached[1] is counted and cached[2] == counted._version
+                step = (cached[0] if fresh else float(counted)) + 1  # read after a load or an edit of state["step"]
+                counted.fill_(step)
+                self._steps[p] = (step, counted, counted._version)
                 master = state.get("master")
                 key = (p.device, p.dtype, p.grad.dtype, master is not None, step)
                 buckets.setdefault(key, []).append((p, state))

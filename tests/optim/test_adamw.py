@@ -466,6 +466,39 @@ def test_steps_read_no_tensor_on_the_host_after_the_first():
     assert fresh.state[w]["step"].item() == 4.0  # the count goes on from the loaded state
 
 
+
+@pytest.mark.parametrize("reset", ["in_place", "reassigned"])
+def test_a_state_reset_by_hand_counts_its_steps_again_as_torch_s(reset):
+    """Resetting a parameter's state by hand (a dead expert re-initialised: its step count
+    and moments zeroed in place, or new tensors put in): torch's AdamW reads state["step"],
+    and the Python count kept beside it went on from 3, so that the bias correction of the
+    steps after was another's. The edited count is read once, then kept again."""
+    from fmoe.train.metrics import HostReads
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(4, 3), [torch.randn(4, 3) for _ in range(5)]
+    params, reads = [], []
+    for cls, kwargs in ((AdamW, {}), (torch.optim.AdamW, dict(foreach=False))):
+        p = torch.nn.Parameter(start.clone())
+        opt = cls([p], lr=1e-2, **kwargs)
+        for i, g in enumerate(grads):
+            if i == 3:
+                state = opt.state[p]
+                if reset == "in_place":
+                    for value in state.values():
+                        value.zero_()
+                else:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros(4, 3), exp_avg_sq=torch.zeros(4, 3))
+            p.grad = g.clone()
+            with HostReads() as r:
+                opt.step()
+            reads.append(r.count)
+        params.append(p.detach())
+        assert opt.state[p]["step"].item() == 2.0
+    assert torch.equal(params[0], params[1])
+    assert reads[:5] == [0, 0, 0, 1, 0]  # ours: the edited count read once
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.int64])
 def test_params_of_other_dtypes_are_refused(dtype):
     """The step works in float32: a complex parameter lost its imaginary part, an int64 one
