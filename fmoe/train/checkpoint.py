@@ -73,6 +73,7 @@ passes flocks on are seen.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import fcntl
@@ -950,12 +951,15 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     """Restore model and optimizers in place from a checkpoint directory (or a run's out_dir:
     its newest complete checkpoint, as load_model takes it); return this rank's extra dict
-    (its "step" says which checkpoint it was, for the train loop's). Fresh optimizers get their state created first (get_state_dict runs one
-    zero-lr step on zero gradients), then overwritten bit for bit; the parameters the
-    checkpoint holds no optimizer state for (no gradient before the save: AdamW and Muon keep
-    none) are left without state, as they were then, and so are the optimizers the checkpoint
-    saved before their first step. Gradients the parameters hold (a step before the load) are
-    left as they are, and the state loads all the same. Under several processes, every rank (of the default
+    (its "step" says which checkpoint it was, for the train loop's). Each optimizer's state is
+    replaced by the saved one, as torch's load_state_dict replaces it, whatever it held before
+    (a step taken, some parameters without a gradient, an entry a read of opt.state[p] made):
+    made afresh for every parameter (get_state_dict runs one zero-lr step on zero gradients),
+    a frozen one (requires_grad False, left so) included, then overwritten bit for bit; the
+    parameters the checkpoint holds no optimizer state for (no gradient before the save: AdamW
+    and Muon keep none) are left without state, as they were then, and so are the optimizers
+    the checkpoint saved before their first step. Gradients the parameters hold are left as
+    they are. A refused load (the ValueErrors below) leaves the state as it was. Under several processes, every rank (of the default
     group) calls it: a file that one rank cannot read, another newest checkpoint found by
     one rank, or extras of different steps raise the same error on every rank, before the
     model's collectives.
@@ -978,17 +982,34 @@ def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, opt
     optimizers = _optimizers(optimizers)
     models = _models(model)
     pairs = _pairs(models, optimizers)
-    # DCP makes a fresh optimizer's state by a step on zero gradients, and makes none where a
-    # parameter holds a gradient already (a step before the load): the state was left empty,
-    # without a word. The gradients are set aside while the state is made and loaded.
-    held = {p: p.grad for opt in optimizers for group in opt.param_groups for p in group["params"] if p.grad is not None}
+    # DCP reads the state entries of the loading optimizers: it makes them by a step on zero
+    # gradients where an optimizer holds no state at all and no parameter a gradient, for the
+    # parameters that require one. Otherwise the saved entries of the others were not read,
+    # without a word: a step before the load (some parameters without a gradient), a
+    # defaultdict read of opt.state[p], a parameter frozen now. The gradients, the state and
+    # the parameters' requires_grad are set aside while the whole state is made and loaded
+    # (the state as before on a refusal).
+    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    held, frozen = {p: p.grad for p in params if p.grad is not None}, [p for p in params if not p.requires_grad]
+    states = [opt.state for opt in optimizers]
     for p in held:
         p.grad = None
+    for p in frozen:
+        p.requires_grad_(True)
+    for opt in optimizers:
+        opt.state = collections.defaultdict(dict)
+    loaded = False
     try:
         _load_state(path, stored, pairs, models, optimizers)
+        loaded = True
     finally:
+        for p in frozen:
+            p.requires_grad_(False)
         for p, grad in held.items():
             p.grad = grad
+        if not loaded:
+            for opt, state in zip(optimizers, states):
+                opt.state = state
 
 
 def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimizers: list) -> None:

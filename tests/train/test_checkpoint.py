@@ -127,6 +127,43 @@ def test_a_load_into_parameters_holding_gradients_restores_the_state_and_keeps_t
     assert all(torch.equal(p.grad, grads[name]) for name, p in fresh.named_parameters())
 
 
+
+@pytest.mark.parametrize("before", ["a_step_of_some", "a_read_of_the_state", "a_frozen_parameter"])
+def test_a_load_replaces_whatever_state_the_optimizers_held(tmp_path, before):
+    """DCP reads the entries of the loading optimizers' state, made only for an optimizer
+    holding none, and only for parameters that require a gradient: after a step in which
+    some parameters had no gradient, after a read of opt.state[p] (a defaultdict: it adds
+    an empty entry) or with a parameter frozen at the load, the other parameters' saved
+    moments were not read, without a word, and their next step was a first step's. Every
+    saved entry loads; a frozen parameter stays frozen; a refused load leaves the state."""
+    model, opts = _build()
+    _train(model, opts)
+    before_save = _tensors(model, opts)
+    ckpt.save(tmp_path, 2, model=model, optimizers=opts)
+    fresh, fresh_opts = _build()
+    head = fresh["head"].weight
+    if before == "a_step_of_some":  # the head alone has a gradient
+        head.grad = torch.randn_like(head)
+        fresh_opts[0].step()
+        fresh_opts[0].zero_grad()
+        assert len(fresh_opts[0].state) == 1
+    elif before == "a_read_of_the_state":
+        assert fresh_opts[0].state[head] == {}
+    else:
+        head.requires_grad_(False)
+    other, _ = _build()  # a run of another optimizer kind: its checkpoint is refused, the state left as it was
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    _train(other, [sgd], steps=1)
+    ckpt.save(tmp_path / "sgd", 1, model=other, optimizers=[sgd])
+    held = _tensors(fresh, fresh_opts)
+    with pytest.raises(ValueError, match="optimizers: the checkpoint .* holds no"):
+        ckpt.load(tmp_path / "sgd", model=fresh, optimizers=fresh_opts)
+    _assert_identical(held, _tensors(fresh, fresh_opts))
+    ckpt.load(tmp_path / "step_000002", model=fresh, optimizers=fresh_opts)
+    _assert_identical(before_save, _tensors(fresh, fresh_opts))
+    assert head.requires_grad == (before != "a_frozen_parameter")
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_save_before_the_first_step_changes_nothing(tmp_path, async_):
     """DCP's get_state_dict makes a fresh optimizer's state by a step at lr 0: a save before the
