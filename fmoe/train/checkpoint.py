@@ -958,8 +958,10 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     a frozen one (requires_grad False, left so) included, then overwritten bit for bit; the
     parameters the checkpoint holds no optimizer state for (no gradient before the save: AdamW
     and Muon keep none) are left without state, as they were then, and so are the optimizers
-    the checkpoint saved before their first step. Gradients the parameters hold are left as
-    they are. A refused load (the ValueErrors below) leaves the state as it was. Under several processes, every rank (of the default
+    the checkpoint saved before their first step. The groups take their parameters' saved
+    knobs (lr, weight_decay, ...), those the groups lack too (a scheduler's initial_lr, as
+    torch's load_state_dict keeps them); a scheduler's initial_lr the checkpoint lacks (saved
+    without one) is kept. Gradients the parameters hold are left as they are. A refused load (the ValueErrors below) leaves the state as it was. Under several processes, every rank (of the default
     group) calls it: a file that one rank cannot read, another newest checkpoint found by
     one rank, or extras of different steps raise the same error on every rank, before the
     model's collectives.
@@ -1021,7 +1023,15 @@ def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimize
         names = _parameter_names(models)
         unsaved = _unsaved_state(stored, state["optim"], names)
         read = {"model": state["model"], "optim": {k: v for k, v in state["optim"].items() if k.startswith("param_groups.") or _owner(k, names) not in unsaved}}
+        # the groups' saved knobs that these groups lack (a scheduler's initial_lr, a group's name): read and put in, as torch's
+        # load_state_dict keeps them (a scheduler built after the load starts from the saved initial_lr, not the lr reached);
+        # a scheduler's initial_lr here that the checkpoint lacks (saved without one): kept
+        saved_knobs = {key[len("optim."):] for key in stored if key.startswith("optim.param_groups.")}
+        extra_knobs = {key: None for key in saved_knobs - read["optim"].keys() if key[len("param_groups."):].rpartition(".")[0] in names}
+        for key in [key for key in read["optim"] if key.startswith("param_groups.") and key.endswith(".initial_lr") and key not in saved_knobs]:
+            del read["optim"][key]
         _check_optimizer_state(path, stored, read["optim"])
+        read["optim"].update(extra_knobs)
     except ValueError as err:
         error = err
     raise_together(error)
@@ -1033,6 +1043,11 @@ def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimize
             set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict=optim_sd, options=_OPTIONS)
         else:
             set_model_state_dict(m, loaded_model)
+    named = {id(p): name for name, params in names.items() for p in params}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            prefix = f"param_groups.{named[id(group['params'][0])]}." if group["params"] else None
+            group.update({key[len(prefix):]: read["optim"][key] for key in extra_knobs if prefix and key.startswith(prefix)})
     for p in (p for name in unsaved for p in names[name]):  # no state, as when saved: a first step of theirs counts 1
         for opt in optimizers:
             opt.state.pop(p, None)

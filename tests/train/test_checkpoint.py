@@ -164,6 +164,34 @@ def test_a_load_replaces_whatever_state_the_optimizers_held(tmp_path, before):
     assert head.requires_grad == (before != "a_frozen_parameter")
 
 
+
+def test_a_scheduler_s_initial_lr_loads_as_torch_s_load_state_dict_keeps_it(tmp_path):
+    """A torch scheduler puts initial_lr in each group. Loaded into optimizers built before
+    their scheduler, it was dropped (DCP reads the knobs the loading groups have): a scheduler
+    resumed with last_epoch raised a KeyError, and one built afresh took the decayed lr as its
+    base without a word. A scheduler's initial_lr that the checkpoint lacks (saved without
+    one) is kept, where it was refused as another optimizer set-up."""
+    model, opts = _build()
+    sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda n: 0.5 ** n)
+    for _ in range(2):
+        _train(model, opts, 1)
+        sched.step()
+    ckpt.save(tmp_path / "scheduled", 2, model=model, optimizers=opts)
+    fresh, fresh_opts = _build()
+    ckpt.load(tmp_path / "scheduled", model=fresh, optimizers=fresh_opts)
+    assert [(g["lr"], g["initial_lr"]) for g in fresh_opts[0].param_groups] == [(0.25e-2, 1e-2)]
+    assert torch.optim.lr_scheduler.LambdaLR(fresh_opts[0], lambda n: 0.5 ** n, last_epoch=2).base_lrs == [1e-2]
+    assert "initial_lr" not in fresh_opts[1].param_groups[0]  # its groups were saved without one
+    plain, plain_opts = _build()
+    _train(plain, plain_opts)
+    ckpt.save(tmp_path / "plain", 2, model=plain, optimizers=plain_opts)
+    scheduled, scheduled_opts = _build()
+    torch.optim.lr_scheduler.LambdaLR(scheduled_opts[1], lambda n: 0.1)
+    ckpt.load(tmp_path / "plain", model=scheduled, optimizers=scheduled_opts)
+    assert [(g["lr"], g["initial_lr"]) for g in scheduled_opts[1].param_groups] == [(1e-2, 1e-2)]
+    _assert_identical(_tensors(plain, plain_opts), _tensors(scheduled, scheduled_opts))
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_save_before_the_first_step_changes_nothing(tmp_path, async_):
     """DCP's get_state_dict makes a fresh optimizer's state by a step at lr 0: a save before the
