@@ -820,7 +820,9 @@ def differing_checkpoints(every: list) -> str:
 def load_model(path, *, model: torch.nn.Module) -> Path:
     """Restore only the model's weights and buffers (the expert biases) from a checkpoint, to
     start a new run from them (fine-tuning, continued pre-training): the optimizer state and
-    `extra` (step, schedules, sampler, RNG) are not read.
+    `extra` (step, schedules, sampler, RNG) are not read. Build the optimizers after it: an
+    fmoe.optim.AdamW(master_weights=True) that has stepped holds float32 masters of the
+    old weights, which its next step writes back over the loaded ones (load restores both).
 
     path: a checkpoint directory (`out_dir/step_000123`) or a run's out_dir, whose newest
     complete checkpoint is taken. Returns the checkpoint directory used. Any mesh: DCP
