@@ -963,10 +963,11 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     the checkpoint saved before their first step. The groups take their parameters' saved
     knobs (lr, weight_decay, ...), those the groups lack too (a scheduler's initial_lr, as
     torch's load_state_dict keeps them); a scheduler's initial_lr the checkpoint lacks (saved
-    without one) is kept. Gradients the parameters hold are left as they are. A refused load (the ValueErrors below) leaves the state as it was. Under several processes, every rank (of the default
-    group) calls it: a file that one rank cannot read, another newest checkpoint found by
-    one rank, or extras of different steps raise the same error on every rank, before the
-    model's collectives.
+    without one) is kept. Gradients the parameters hold are left as they are. A refused load
+    (the ValueErrors below) leaves the state as it was. Under several processes, every rank
+    (of the default group) calls it: a file that one rank cannot read, another newest
+    checkpoint found by one rank, or extras of different steps raise the same error on every
+    rank, before the model's collectives.
 
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
@@ -1017,7 +1018,8 @@ def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, opt
 
 
 def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimizers: list) -> None:
-    """_load_held's reading, with no gradient on the optimizers' parameters."""
+    """_load_held's reading, the optimizers' state empty, their parameters without a gradient
+    and each requiring one."""
     state, parts = _state(pairs)
     error = None
     try:  # each rank checks its own parameters (a pipeline stage's): agreed before the load's collectives
