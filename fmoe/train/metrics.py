@@ -754,10 +754,14 @@ class MetricsLogger:
 
     def log(self, step: int, record: dict) -> None:
         """Write {"step": step, **record} as one line (and print the progress line). step: an
-        int >= 0 (read_metrics keeps the records with an int step)."""
+        int >= 0 (read_metrics keeps the records with an int step); a "step" the record holds
+        too must be the same int (ValueError: it overrode step, and a float one was written
+        where read_metrics then left the record out)."""
         check_positive_int("step", step, 0)
         if not isinstance(record, dict):
             raise ValueError(f"record: expected a dict, got {type(record).__name__}")
+        if "step" in record and not (type(record["step"]) is int and record["step"] == step):
+            raise ValueError(f"record: its 'step' is the step logged, expected {step} (or no 'step' key), got {record['step']!r}")
         if self.rank != 0:
             return
         plain = _plain(record)
@@ -795,15 +799,17 @@ def _scalars(record: dict):
 
 def read_metrics_lines(path) -> list[str]:
     """The record lines of a metrics.jsonl: JSON objects with an int "step" (a torn last line
-    of a killed run, or any other line, is left out); [] when the file does not exist."""
+    of a killed run, or any other line, one not UTF-8 included, is left out); [] when the file
+    does not exist."""
     path = Path(path)
     if not path.exists():
         return []
     lines = []
-    for line in path.read_text().splitlines():
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (UnicodeDecodeError, json.JSONDecodeError):
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
             lines.append(line)

@@ -345,6 +345,17 @@ def test_logger_refuses_a_step_read_metrics_would_leave_out(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a hand-edited line: JSON's true is no step
         f.write('{"step": true, "loss": 9.0}\n')
     assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    # a record's own "step" overrode the argument: 2.0 was written (and left out on reading), 7 where the progress said 3
+    for bad in (3.0, 7, True):
+        with pytest.raises(ValueError, match=rf"record: its 'step' is the step logged, expected 3 \(or no 'step' key\), got {bad!r}"):
+            log.log(3, {"step": bad, "loss": 1.0})
+    log.log(3, {"step": 3, "loss": 1.0})  # the loop's records hold their own step
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    with open(tmp_path / "metrics.jsonl", "ab") as f:  # a byte that is not UTF-8 (a damaged disk, a hand edit): left out, not a crash
+        f.write(b'{"step": 4, "loss": "\xff"}\n')
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    M.MetricsLogger(tmp_path, total_steps=10, start_step=4, print_progress=False)  # a resume reads it too
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 def _synthetic_run(out_dir):
