@@ -1379,6 +1379,8 @@ class BlendSampler:
             raise ValueError(f"state: missing keys {missing}")
         if list(state["names"]) != self.blend.names:
             raise ValueError(f"state: sources {list(state['names'])}, this blend has {self.blend.names}")
+        if len(state["weights"]) != n:  # a state edited by hand: zip read the first n (or none) and took it
+            raise ValueError(f"state: weights has {len(state['weights'])} entries, this blend has {n} sources")
         for name, theirs, mine in zip(self.blend.names, state["weights"], self.blend.weights):
             if not math.isclose(theirs, mine, rel_tol=1e-9):
                 raise ValueError(f"state: source {name!r} has weight {theirs:g}, this blend gives it {mine:g}")

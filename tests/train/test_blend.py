@@ -152,6 +152,9 @@ def test_state_of_another_blend_refused():
         BlendSampler(_blend([3, 1]), 8, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="state: seed is 1, this sampler has 2"):
         BlendSampler(blend, 8, seed=2).load_state_dict(state)
+    for weights in ([], [0.5], [0.5, 0.5, 0.5]):
+        with pytest.raises(ValueError, match=rf"state: weights has {len(weights)} entries, this blend has 2 sources"):
+            BlendSampler(blend, 8, seed=1).load_state_dict({**state, "weights": weights})
     with pytest.raises(ValueError, match=r"^state: expected a BlendSampler's \(or Sampler's\) state_dict\(\) \(a dict\), got NoneType"):
         BlendSampler(blend, 8, seed=2).load_state_dict(None)
     with pytest.raises(ValueError, match=r"state: a single Sampler's state, this blend has 2 sources"):
