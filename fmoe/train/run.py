@@ -186,6 +186,7 @@ class OutDirLock:
 
     def __init__(self, out_dir):
         self._fd: Optional[int] = None
+        self._made = False  # before the path is checked: a refused one is released (__del__) too
         path = Path(check_path("out_dir", out_dir))
         self._path, self._made = path, not path.exists()
         if path.exists() and not path.is_dir():

@@ -485,3 +485,19 @@ def test_saved_config_is_the_record_or_nothing(tmp_path):
         assert saved["config"] == {"lr": lr} and saved["earlier_runs"] == runs
         runs.append(saved["run"])
     assert len(runs) == 3
+
+
+def test_an_out_dir_lock_refused_its_path_leaves_no_error_behind(monkeypatch):
+    """A path that is not one: the ValueError, and then an AttributeError of the half-made
+    lock's __del__ printed as an ignored exception."""
+    import gc
+
+    from fmoe.train.run import OutDirLock
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(ValueError, match="out_dir"):
+        OutDirLock(123)
+    gc.collect()
+    assert unraisable == []
+
