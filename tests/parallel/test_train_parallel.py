@@ -106,7 +106,7 @@ def parallel_runs(request, tmp_path_factory):
     return _Together(tmp_path_factory.mktemp("knobs"), {name: RUNS[name] for name in _selected_runs(request)})
 
 
-KEYS = ("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss", "param_norm")
+KEYS = ("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss", "param_norm", "grad_norm")
 
 
 def _assert_same(records, ref, keys=KEYS, loose=()):
@@ -121,6 +121,9 @@ def _assert_same(records, ref, keys=KEYS, loose=()):
             near = dict(abs=3e-8) if key == "index_loss" else {}
             assert got[key] == pytest.approx(want[key], rel=5e-5 if key in loose else 1e-5, **near), (got["step"], key, got[key], want[key])
         assert got["tokens_per_expert"] == want["tokens_per_expert"], got["step"]  # counts summed over every rank
+        for key in ("loss_tokens", "padding_tokens", "tokens_by_source", "batch_size", "tokens"):  # the step's tokens, every rank's
+            assert got[key] == want[key], (got["step"], key, got[key], want[key])
+        assert got["dropped_fraction"] == pytest.approx(want["dropped_fraction"], abs=1e-12), got["step"]
         assert got["zero_grads"] == want["zero_grads"], got["step"]  # each gradient entry counted once on any mesh
     assert records[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
     assert records[-1]["val_loss_by_source"] == pytest.approx(ref[-1]["val_loss_by_source"], rel=1e-5)  # summed over pp and cp too
@@ -139,7 +142,7 @@ RUNS = {
     # context parallel: each rank two chunks of every micro-batch, the switch loss too; with
     # sequence parallelism (each cp share split again over tp) and expert parallelism
     "cp2-aux": (2, ["--cp=2", "--aux_coeff=1e-2"]),
-    "cp2xtp2": (4, ["--cp=2", "--tp=2"]),
+    "cp2xtp2": (4, ["--cp=2", "--tp=2", "--aux_coeff=1e-2"]),  # the switch loss's counts over both
     "cp2xep2": (4, ["--cp=2", "--ep=2"]),
     "cp2-capacity": (2, ["--cp=2", "--model.capacity_factor=1.0"]),  # the drop over both ranks' chunks
     # --whole_documents: the padding (on one cp rank's chunk, in one tp slice) is not routed
@@ -157,7 +160,8 @@ RUNS = {
     # pp 4: test_pipeline.py)
     "pp2": (2, ["--pp=2", "--aux_coeff=1e-2"]),
     "pp2-interleaved": (2, ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4"]),
-    "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32", "--check_replicas_every=1"]),
+    # ...3 micro-batches over 2 data ranks: the second runs the first's masked copy through the schedule too
+    "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32", "--check_replicas_every=1", "--batch_schedule=0:3"]),
     # ...with 2 stages per rank: the schedule gathers a stage's shards before the forward pre-hooks that wrote the owned
     # matrices' updates (the forward read the weights of the step before: 3.4e-4 off at step 3)
     "pp2-interleaved-ep2-muon": (4, ["--pp=2", "--ep=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4",
@@ -488,8 +492,9 @@ def _torchrun_acted_on(tmp_path, act, *knobs) -> tuple:
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """SIGTERM to rank 1 alone (rank 0 never gets it): the ranks agree through the step's
     sums, both stop after the same step, write its checkpoint together and exit 0; one
-    process resumes from it."""
-    run, ranks, out, err, steps = _torchrun_acted_on(tmp_path, lambda run, ranks: os.kill(ranks[1], signal.SIGTERM), "--steps=1000")
+    process resumes from it. Rank 1 is a tensor-parallel rank, whose logged losses count none
+    (tp rank 0's do): its stop request counts all the same."""
+    run, ranks, out, err, steps = _torchrun_acted_on(tmp_path, lambda run, ranks: os.kill(ranks[1], signal.SIGTERM), "--steps=1000", "--tp=2")
     assert sorted(ranks) == [0, 1] and run.returncode == 0, out[-2000:] + err[-4000:]
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 1000
