@@ -721,8 +721,8 @@ def test_a_step_trains_the_objective_of_its_micro_batches(tmp_path, optimizer, b
     if bias_update == "sign":
         assert set(torch.cat(list(moved.values())).abs().tolist()) <= {0.0, float(torch.tensor(rate))}  # +-rate in float32
 
-    # the optimizers as the loop builds them, loaded: the step's first moments, and the groups' weight decay as saved
-    model = checkpoint.load_run(tmp_path / "run")[0]
+    # the optimizers as the loop builds them, loaded (into the model holding the recomputed gradients): the step's first
+    # moments, and the groups' weight decay as saved
     groups = dict(muon_lr=1.0, adamw_lr=1.0, weight_decay=decay, decay_embeddings=False)
     optimizers = ([AdamW(split_param_groups(model, muon=False, **groups)[1], lr=1.0)] if optimizer == "adamw"
                   else build_optimizers(model, **groups, adamw_cls=AdamW))
