@@ -713,9 +713,6 @@ def main(argv: list[str]) -> None:
     for opt in optimizers:  # the schedule scales each group's own lr
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
-    # this run's knobs (--lr, --weight_decay, --ns_dtype, ...) as each group holds them: a resume puts them back after
-    # loading, or the checkpoint's param_groups would run while the log and config.json say these
-    knobs = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
 
     # the schedule gives a factor on each group's lr; checked once here, with a message
     warmup = _warmup_steps(cfg)
@@ -764,16 +761,13 @@ def main(argv: list[str]) -> None:
                      "trains the parameters it did, whose optimizer state its checkpoint holds: give the same --train_only, or start "
                      "a new run from its weights with --init_from")
         try:
-            extra = checkpoint.load(path, model=parts, optimizers=optimizers)
+            # knobs="held": the groups keep this run's knobs (--lr, --weight_decay, --decay_embeddings, --ns_dtype, ...), or the
+            # checkpoint's would run while the log and config.json say these
+            extra = checkpoint.load(path, model=parts, optimizers=optimizers, knobs="held")
         except (FileNotFoundError, ValueError) as err:  # a model of other knobs than the saved one's, a damaged checkpoint
             damaged = "could not be read" in str(err)  # --resume reads the newest complete one: how to take an earlier one
             sys.exit(f"--resume: {err}" + (f"\n--resume starts from the newest checkpoint in {cfg.out_dir}: to resume from an earlier one, "
                                            f"move {path.name} out of it" if damaged else ""))
-        for opt, opt_knobs in zip(optimizers, knobs):
-            for group, group_knobs in zip(opt.param_groups, opt_knobs):
-                params = group["params"]
-                group.clear()
-                group.update(group_knobs, params=params)
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         try:
             sampler.load_state_dict(extra["sampler"])

@@ -6,7 +6,7 @@
     latest(out_dir, *, delete_partial=False) -> Path | None
     incomplete(path) -> str | None           which file a step_N folder lacks (None: none is missing)
     passed_over(out_dir) -> [(Path, str)]    the step_N folders newer than latest(), with what each lacks
-    load(path, *, model, optimizers) -> extra
+    load(path, *, model, optimizers, knobs="saved") -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
     model_differences(path, cfg) -> {knob: (saved, cfg's)}   where a run's model differs from cfg
@@ -950,7 +950,7 @@ def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
         return model, {**run, "checkpoint": str(load_model(found, model=model))}
 
 
-def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
+def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], knobs: str = "saved") -> dict:
     """Restore model and optimizers in place from a checkpoint directory (or a run's out_dir:
     its newest complete checkpoint, as load_model takes it); return this rank's extra dict
     (its "step" says which checkpoint it was, for the train loop's). Each optimizer's state is
@@ -960,10 +960,18 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     a frozen one (requires_grad False, left so) included, then overwritten bit for bit; the
     parameters the checkpoint holds no optimizer state for (no gradient before the save: AdamW
     and Muon keep none) are left without state, as they were then, and so are the optimizers
-    the checkpoint saved before their first step. The groups take their parameters' saved
-    knobs (lr, weight_decay, ...), those the groups lack too (a scheduler's initial_lr, as
-    torch's load_state_dict keeps them); a scheduler's initial_lr the checkpoint lacks (saved
-    without one) is kept. Gradients the parameters hold are left as they are. A refused load
+    the checkpoint saved before their first step. Gradients the parameters hold are left as
+    they are.
+
+    knobs="saved" (the default): the groups take their parameters' saved knobs (lr,
+    weight_decay, ...), those the groups lack too (a scheduler's initial_lr, as torch's
+    load_state_dict keeps them); a scheduler's initial_lr the checkpoint lacks (saved without
+    one) is kept. The state is saved per parameter, whatever the grouping: groups may differ
+    from the saving run's where each group's parameters were saved with the same knobs; a
+    group whose parameters were saved with different ones is a ValueError naming them, before
+    anything is read (torch's load_state_dict refuses any other grouping). knobs="held": the
+    groups keep their own knobs and the state alone is loaded (a trainer that sets its knobs
+    itself, e.g. a resumed run of changed learning rate or weight decay groups). A refused load
     (the ValueErrors below) leaves the state as it was. Under several processes, every rank
     (of the default group) calls it: a file that one rank cannot read, another newest
     checkpoint found by one rank, or extras of different steps raise the same error on every
@@ -978,12 +986,14 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     ValueError naming them, before anything is read."""
     with ExitStack() as holds:
         path, stored, extra = _read_agreed(path, extra=True, holds=holds)
-        _load_held(path, stored, extra, model=model, optimizers=optimizers)
+        _load_held(path, stored, extra, model=model, optimizers=optimizers, knobs=knobs)
     return extra
 
 
-def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, optimizers) -> None:
+def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, optimizers, knobs: str) -> None:
     """load's reading of the checkpoint at `path` (held by the caller)."""
+    if knobs not in ("saved", "held"):
+        raise ValueError(f"knobs: expected 'saved' or 'held', got {knobs!r}")
     optimizers = _optimizers(optimizers)
     models = _models(model)
     pairs = _pairs(models, optimizers)
@@ -1005,7 +1015,7 @@ def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, opt
         opt.state = collections.defaultdict(dict)
     loaded = False
     try:
-        _load_state(path, stored, pairs, models, optimizers)
+        _load_state(path, stored, pairs, models, optimizers, knobs)
         loaded = True
     finally:
         for p in frozen:
@@ -1017,7 +1027,7 @@ def _load_held(path: Path, stored: Mapping, extra: Optional[dict], *, model, opt
                 opt.state = state
 
 
-def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimizers: list) -> None:
+def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimizers: list, knobs: str) -> None:
     """_load_held's reading, the optimizers' state empty, their parameters without a gradient
     and each requiring one."""
     state, parts = _state(pairs)
@@ -1026,11 +1036,12 @@ def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimize
         _check_model_shapes(path, stored, state["model"], _whole_model_names(models, state["model"]), getattr(models[0], "cfg", None))
         names = _parameter_names(models)
         unsaved = _unsaved_state(stored, state["optim"], names)
-        read = {"model": state["model"], "optim": {k: v for k, v in state["optim"].items() if k.startswith("param_groups.") or _owner(k, names) not in unsaved}}
+        read = {"model": state["model"], "optim": {k: v for k, v in state["optim"].items()
+                                                   if (knobs == "saved" if k.startswith("param_groups.") else _owner(k, names) not in unsaved)}}
         # the groups' saved knobs that these groups lack (a scheduler's initial_lr, a group's name): read and put in, as torch's
         # load_state_dict keeps them (a scheduler built after the load starts from the saved initial_lr, not the lr reached);
         # a scheduler's initial_lr here that the checkpoint lacks (saved without one): kept
-        saved_knobs = {key[len("optim."):] for key in stored if key.startswith("optim.param_groups.")}
+        saved_knobs = {key[len("optim."):] for key in stored if key.startswith("optim.param_groups.")} if knobs == "saved" else set()
         extra_knobs = {key: None for key in saved_knobs - read["optim"].keys() if key[len("param_groups."):].rpartition(".")[0] in names}
         for key in [key for key in read["optim"] if key.startswith("param_groups.") and key.endswith(".initial_lr") and key not in saved_knobs]:
             del read["optim"][key]
@@ -1039,6 +1050,8 @@ def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimize
     except ValueError as err:
         error = err
     raise_together(error)
+    if knobs == "saved":
+        _check_groups(path, read["optim"], optimizers, names)
     _dcp_load(read, path)  # in place; a number (not a tensor) is replaced in read's dict
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):
         loaded_model = {k: state["model"][k] for k in model_sd}
@@ -1057,6 +1070,48 @@ def _load_state(path: Path, stored: Mapping, pairs: list, models: list, optimize
             opt.state.pop(p, None)
     if (path / _FRESH).is_file():  # an older checkpoint, with the lr-0 step's state: by place in the list, as it saved them
         _empty([optimizers[i] for i in json.loads((path / _FRESH).read_text()) if i < len(optimizers)])
+
+
+def _check_groups(path: Path, knobs: Mapping, optimizers: list, names: Mapping) -> None:
+    """ValueError, on every rank (raise_together), for a group of `optimizers` whose parameters
+    checkpoint `path` saved with different knobs (grouped apart), naming the group, its first
+    two such parameters and the knobs, before the model or the state is read: DCP takes a
+    group's knobs from its first parameter's. knobs: the param_groups.<param>.<knob> entries
+    to load (read, first, from the checkpoint into a copy)."""
+    saved = {"optim": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in knobs.items() if k.startswith("param_groups.")}}
+    _dcp_load(saved, path)
+    by_param: dict = {}
+    for key, value in saved["optim"].items():
+        name, _, knob = key[len("param_groups."):].rpartition(".")
+        for p in names.get(name, ()):
+            by_param.setdefault(id(p), (name, {}))[1][knob] = value
+    error = None
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            held = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
+            if not held:
+                continue
+            (first, first_knobs), differ = held[0], []
+            for name, their in held[1:]:
+                differ = [(k, v, their[k]) for k, v in first_knobs.items() if k in their and not _same(v, their[k])]
+                if differ:
+                    break
+            if differ and error is None:
+                error = ValueError(
+                    f"optimizers[{i}].param_groups[{j}]: the checkpoint {str(path)!r} saved its parameters {first} and {name} "
+                    f"with other knobs ({', '.join(f'{k} {a} and {b}' for k, a, b in differ)}), grouped apart: one group takes "
+                    "one set; build the groups as saved, or load with knobs='held' to keep these groups' own knobs")
+    raise_together(error)
+
+
+def _same(a, b) -> bool:
+    """Two saved knob values (numbers, tuples, strings, tensors) are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- values whose == is not a truth value: taken as different
+        return False
 
 
 def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[Path]:

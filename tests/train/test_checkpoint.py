@@ -179,6 +179,87 @@ def test_a_scheduler_s_initial_lr_loads_as_torch_s_load_state_dict_keeps_it(tmp_
     _assert_identical(_tensors(plain, plain_opts), _tensors(scheduled, scheduled_opts))
 
 
+def _linear_opt(groups, lr=5e-3):
+    """nn.Linear(4, 3) with torch AdamW over its weight and bias in `groups`: a list of
+    ({names}, knobs) pairs."""
+    model = nn.Linear(4, 3)
+    params = dict(model.named_parameters())
+    return model, torch.optim.AdamW([{"params": [params[n] for n in names], **knobs} for names, knobs in groups], lr=lr)
+
+
+def test_a_group_of_parameters_saved_with_other_knobs_is_refused_or_keeps_its_own(tmp_path):
+    """Optimizer state is saved per parameter name, whatever the grouping: parameters saved in
+    groups of other knobs and loaded into one group took the first one's knobs without a word
+    (torch's load_state_dict refuses another grouping). Now a ValueError names the knob and
+    the parameters, before anything is read; knobs="held" keeps the loading groups' own knobs
+    (a trainer that sets its own) and loads the state alone; groups saved apart with the same
+    knobs load into one."""
+    saved, opt = _linear_opt([({"weight"}, {"lr": 1e-2}), ({"bias"}, {"lr": 1e-3, "weight_decay": 0.5})])
+    saved(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    ckpt.save(tmp_path / "apart", 1, model=saved, optimizers=[opt])
+    fresh, one_group = _linear_opt([({"weight", "bias"}, {})])
+    before = _tensors(fresh, [one_group])
+    with pytest.raises(ValueError, match=r"optimizers\[0\]\.param_groups\[0\]: .*weight.*bias.*lr 0\.01 and 0\.001.*weight_decay 0\.01 and 0\.5.*knobs='held'"):
+        ckpt.load(tmp_path / "apart", model=fresh, optimizers=[one_group])
+    _assert_identical(before, _tensors(fresh, [one_group]))  # the model too: refused before anything was read
+    ckpt.load(tmp_path / "apart", model=fresh, optimizers=[one_group], knobs="held")
+    assert [(g["lr"], g["weight_decay"]) for g in one_group.param_groups] == [(5e-3, 1e-2)]
+    _assert_identical(_tensors(saved, [opt]), _tensors(fresh, [one_group]))
+    same, same_opt = _linear_opt([({"weight"}, {"lr": 2e-2}), ({"bias"}, {"lr": 2e-2})])
+    same(torch.randn(5, 4)).sum().backward()
+    same_opt.step()
+    ckpt.save(tmp_path / "same", 1, model=same, optimizers=[same_opt])
+    ckpt.load(tmp_path / "same", model=fresh, optimizers=[one_group])
+    assert [g["lr"] for g in one_group.param_groups] == [2e-2]
+    _assert_identical(_tensors(same, [same_opt]), _tensors(fresh, [one_group]))
+    with pytest.raises(ValueError, match="knobs: expected 'saved' or 'held', got 'kept'"):
+        ckpt.load(tmp_path / "same", model=fresh, optimizers=[one_group], knobs="kept")
+
+
+def test_ranks_refuse_a_regrouped_load_together_and_load_its_grouping(tmp_path):
+    """Under two processes, the knobs' check reads the checkpoint's param_groups with the
+    ranks together (a DCP load of its own): both ranks refuse a regrouped load with the same
+    message; the saved grouping and knobs="held" load, bit for bit."""
+    script = f"""
+import torch, torch.distributed as dist
+from torch import nn
+from fmoe.train import checkpoint as ckpt
+dist.init_process_group("gloo")
+def say(line):  # each rank's own file: the ranks' stdout interleaves
+    with open({str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.txt", "a") as f:
+        f.write(line + "\\n")
+def build(apart):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    groups = [{{"params": [model.weight], "lr": 1e-2}}, {{"params": [model.bias], "lr": 1e-3}}] if apart else [{{"params": list(model.parameters())}}]
+    return model, torch.optim.AdamW(groups, lr=5e-3)
+model, opt = build(True)
+model(torch.ones(2, 4)).sum().backward()
+opt.step()
+ckpt.save({str(tmp_path)!r}, 1, model=model, optimizers=[opt])
+fresh, one = build(False)
+try:
+    ckpt.load({str(tmp_path)!r}, model=fresh, optimizers=[one])
+except ValueError as err:
+    say(f"refused: {{err}}")
+ckpt.load({str(tmp_path)!r}, model=fresh, optimizers=[one], knobs="held")
+again, apart = build(True)
+ckpt.load({str(tmp_path)!r}, model=again, optimizers=[apart])
+for o in (one, apart):
+    assert all(torch.equal(o.state[q]["exp_avg"], opt.state[p]["exp_avg"]) for p, q in zip(model.parameters(), o.param_groups[0]["params"] + o.param_groups[-1]["params"][-1:]))
+say(f"loaded {{[g['lr'] for g in one.param_groups]}} {{[g['lr'] for g in apart.param_groups]}}")
+dist.destroy_process_group()
+"""
+    (tmp_path / "regroup.py").write_text(script)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "regroup.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    assert said[0] == said[1] and len(said[0]) == 2 and said[0][1] == "loaded [0.005] [0.01, 0.001]", said
+    assert said[0][0].startswith("refused: optimizers[0].param_groups[0]: ") and "weight and bias with other knobs (lr 0.01 and 0.001)" in said[0][0]
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_save_before_the_first_step_changes_nothing(tmp_path, async_):
     """DCP's get_state_dict makes a fresh optimizer's state by a step at lr 0: a save before the
