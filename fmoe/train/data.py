@@ -957,14 +957,21 @@ class Sampler:
         """Where the stream stands: epoch, index in the epoch's order, offset (tokens) into
         that document, plus the seed, shuffle flag, document count and token count it is
         valid for (the token count tells other data with as many documents apart: the same
-        sources prepared with another tokenizer, another corpus)."""
+        sources prepared with another tokenizer, another corpus), and whole_documents (whether
+        a cut at offset > 0 is a long document's, load_state_dict)."""
         return dict(epoch=self.epoch, index=self.index, offset=self.offset, seed=self.seed,
-                    shuffle=self.shuffle, n_documents=len(self.dataset), n_tokens=self.dataset.n_tokens)
+                    shuffle=self.shuffle, n_documents=len(self.dataset), n_tokens=self.dataset.n_tokens,
+                    whole_documents=self.whole_documents)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(); the sampler must have the same seed, shuffle flag and
-        dataset size in documents and tokens (tokens_per_batch and mtp_depth may differ; a
-        state without n_tokens, from before it was kept, is checked by documents alone)."""
+        dataset size in documents and tokens (tokens_per_batch, mtp_depth and whole_documents
+        may differ; a state without n_tokens, from before it was kept, is checked by documents
+        alone). A whole_documents sampler resuming a stream that was cut inside a document
+        without whole_documents (a state of a sampler without it, or from before it was kept)
+        goes on at the next document: the rest of the cut one would be trained without the
+        tokens before it; a long document cut by a whole_documents sampler goes on where it
+        was cut."""
         keys = ("epoch", "index", "offset", "seed", "shuffle", "n_documents")
         if not isinstance(state, Mapping):  # None: "argument of type 'NoneType' is not iterable" before
             raise ValueError(f"state: expected a Sampler's state_dict() (a dict), got {type(state).__name__}")
@@ -979,6 +986,11 @@ class Sampler:
         index = _int_arg("state['index']", state["index"], 0, len(self.dataset) - 1)
         order = self._epoch_order(epoch)
         offset = _int_arg("state['offset']", state["offset"], 0, max(self.dataset.doc_len(int(order[index])) - 1, 0))
+        check_bools(**{"state['whole_documents']": state.get("whole_documents", False)})
+        if offset and self.whole_documents and not state.get("whole_documents", False):  # cut mid-document: the next one
+            index, offset = index + 1, 0
+            if index == len(self.dataset):
+                epoch, index, order = epoch + 1, 0, self._epoch_order(epoch + 1)
         self.epoch, self.index, self.offset, self._order = epoch, index, offset, order
 
 

@@ -225,6 +225,42 @@ def test_sampler_resume():
     assert all(_same(fresh.next_batch(), b) for b in batches[3:])
 
 
+def test_a_stream_cut_inside_a_document_resumes_with_whole_documents_at_the_next_one():
+    """A run resumed with whole_documents turned on began its first batch with the rest of the
+    document the earlier run had cut (the state did not say how the stream was cut): a piece
+    trained without the tokens before it. It now goes on at the next document (the next
+    epoch's first after the last); a long document cut by a whole_documents sampler goes on
+    where it was cut, as before."""
+    ds, T = _synthetic(n_docs=23, max_len=40), 32
+    plain = Sampler(ds, T, seed=3)
+    while not plain.offset:
+        plain.next_batch()
+    state = plain.state_dict()
+    assert state["whole_documents"] is False
+    order = plain._epoch_order(0).tolist()
+    old = {k: v for k, v in state.items() if k != "whole_documents"}  # a state from before it was kept
+    last = dict(state, index=22, offset=1)  # the epoch's last document, cut
+    assert ds.doc_len(order[22]) > 1
+    for saved, epoch, index in [(state, 0, state["index"] + 1), (old, 0, state["index"] + 1), (last, 1, 0)]:
+        whole = Sampler(ds, T, seed=3, whole_documents=True)
+        whole.load_state_dict(saved)
+        assert (whole.epoch, whole.index, whole.offset) == (epoch, index, 0)
+        doc = int(whole._epoch_order(epoch)[index])
+        first = whole.next_batch()["input_ids"]
+        assert first[:min(ds.doc_len(doc), T)].tolist() == ds.document(doc).tolist()[:T]  # a document from its start
+    plain_again = Sampler(ds, T, seed=3)
+    plain_again.load_state_dict(state)  # without whole_documents: the cut document's rest, as saved
+    assert plain_again.next_batch()["input_ids"][:4].tolist() == ds.document(order[state["index"]]).tolist()[state["offset"]:][:4]
+    long_cut = Sampler(ds, T, seed=3, whole_documents=True)
+    while not long_cut.offset:  # a document longer than T, cut at a batch's end
+        long_cut.next_batch()
+    resumed = Sampler(ds, T, seed=3, whole_documents=True)
+    resumed.load_state_dict(long_cut.state_dict())
+    assert (resumed.index, resumed.offset) == (long_cut.index, long_cut.offset) and _same(resumed.next_batch(), long_cut.next_batch())
+    with pytest.raises(ValueError, match=r"state\['whole_documents'\]: expected a bool, got 'yes'"):
+        Sampler(ds, T, seed=3).load_state_dict(dict(state, whole_documents="yes"))
+
+
 def test_empty_documents_are_passed_over_and_a_dataset_of_only_empty_ones_refused():
     """A document of no tokens (eos None: nothing follows it) makes no sequence of length 0 in
     cu_seqlens, in a batch or at a resume that stands on it; a dataset whose documents are all
