@@ -51,8 +51,10 @@ def test_a_second_run_in_an_out_dir_that_a_run_holds_is_refused(tmp_path):
 
     out = tmp_path / "run"
     lock = OutDirLock(out)
-    with pytest.raises(OutDirInUse, match=f"--out_dir: {out} is in use"):
-        OutDirLock(out)  # a second holder, even in this process
+    with pytest.raises(OutDirInUse, match=f"^--out_dir: {out} is in use: this process holds it \\(another OutDirLock of it, not released\\)"):
+        OutDirLock(out)  # a second holder, even in this process: not named "another run" by its own pid
+    with pytest.raises(ValueError, match="^--out_dir: expected a directory, got '' \\(the working directory"):
+        OutDirLock("")
     (out / "step_000002.tmp").mkdir()  # the holder's checkpoint being written
     for extra in ([], ["--resume"]):
         run = _train(out, "--steps=2", *extra)

@@ -188,6 +188,8 @@ class OutDirLock:
         self._fd: Optional[int] = None
         self._made = False  # before the path is checked: a refused one is released (__del__) too
         path = Path(check_path("out_dir", out_dir))
+        if not str(out_dir):  # Path("") is the working directory: a run would fill it
+            raise ValueError("--out_dir: expected a directory, got '' (the working directory: give it as '.')")
         self._path, self._made = path, not path.exists()
         if path.exists() and not path.is_dir():
             raise ValueError(f"--out_dir: {out_dir} exists and is not a directory")
@@ -204,6 +206,9 @@ class OutDirLock:
         except BlockingIOError:
             holder = _flock_holder(path)
             self.release()
+            if holder == os.getpid():  # "another run (pid <its own>)" named this process as another run
+                raise OutDirInUse(f"--out_dir: {out_dir} is in use: this process holds it (another OutDirLock of it, not "
+                                  "released): release() that one first, or give another --out_dir") from None
             raise OutDirInUse(f"--out_dir: {out_dir} is in use: another run {'' if holder is None else f'(pid {holder}) '}is writing it "
                               "(it holds the directory until it ends); wait for it to end, or give another --out_dir") from None
 
