@@ -616,7 +616,12 @@ def _plain(value):
     elif isinstance(value, (np.ndarray, np.generic)):  # numpy's arrays and scalars as Python's (an int64 was written 1000.0)
         value = value.tolist()
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        plain, keys = {}, {}
+        for k, v in value.items():
+            if str(k) in keys:  # JSON's keys are strings: the later value replaced the other, without a word
+                raise ValueError(f"record: keys {keys[str(k)]!r} and {k!r} would both be written as the JSON key {str(k)!r}")
+            keys[str(k)], plain[str(k)] = k, _plain(v)
+        return plain
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, float):
@@ -738,7 +743,7 @@ class MetricsLogger:
             raise ValueError(f"out_dir: {str(out_dir)!r} exists and is not a directory")
         self.path = out_dir / "metrics.jsonl"
         self.rank, self.total_steps, self.print_progress = rank, total_steps, print_progress
-        self.writer = None
+        self.writer, self.closed = None, False
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -756,7 +761,11 @@ class MetricsLogger:
         """Write {"step": step, **record} as one line (and print the progress line). step: an
         int >= 0 (read_metrics keeps the records with an int step); a "step" the record holds
         too must be the same int (ValueError: it overrode step, and a float one was written
-        where read_metrics then left the record out)."""
+        where read_metrics then left the record out). A ValueError after close() (the
+        TensorBoard events stopped there without a word, the file went on), and for a record
+        whose keys write as the same JSON key (1 and "1": one was lost)."""
+        if self.closed:
+            raise ValueError("MetricsLogger: log() after close(): open another MetricsLogger (start_step: the next step) to go on")
         check_positive_int("step", step, 0)
         if not isinstance(record, dict):
             raise ValueError(f"record: expected a dict, got {type(record).__name__}")
@@ -776,7 +785,8 @@ class MetricsLogger:
             print(format_progress(step, self.total_steps, record), flush=True)
 
     def close(self) -> None:
-        """Close the TensorBoard writer (if any)."""
+        """Close the TensorBoard writer (if any); log() is refused after it. A second close() does nothing."""
+        self.closed = True
         if self.writer is not None:
             self.writer.close()
             self.writer = None

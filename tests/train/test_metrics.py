@@ -332,6 +332,27 @@ def test_logger_bad_inputs(tmp_path):
         log.log(-1, {})
 
 
+def test_a_log_after_close_or_of_keys_that_write_alike_is_refused(tmp_path):
+    """After close() the TensorBoard events stopped without a word while metrics.jsonl went on;
+    keys 1 and "1" (a dict of counts keyed by ints beside strings) were both written as "1",
+    the later value alone kept. Both are ValueErrors now, writing nothing."""
+    log = M.MetricsLogger(tmp_path, total_steps=5, print_progress=False)
+    log.log(1, {"loss": 2.0, "per_source": {1: 3, "two": 4}})
+    for bad, match in [({"per_source": {1: 3, "1": 4}}, r"record: keys 1 and '1' would both be written as the JSON key '1'"),
+                       ({1: 2.0, "1": 3.0}, r"record: keys 1 and '1'")]:
+        with pytest.raises(ValueError, match=match):
+            log.log(2, bad)
+    log.close()
+    log.close()  # a second close: nothing
+    with pytest.raises(ValueError, match=r"MetricsLogger: log\(\) after close\(\)"):
+        log.log(2, {"loss": 1.0})
+    assert M.read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0, "per_source": {"1": 3, "two": 4}}]
+    other = M.MetricsLogger(tmp_path, rank=1, total_steps=5)  # every rank calls log(): refused on each alike
+    other.close()
+    with pytest.raises(ValueError, match="after close"):
+        other.log(2, {})
+
+
 def test_logger_refuses_a_step_read_metrics_would_leave_out(tmp_path):
     """read_metrics keeps the records with an int step: log refuses any other step, so that no
     written record is dropped on reading."""
