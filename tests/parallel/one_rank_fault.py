@@ -5,7 +5,9 @@ partial copy): what tests/parallel/test_train_parallel.py launches to see a faul
 
 FAULT: none, short_data (a text directory one file short), older_checkpoint (a run's newest
 checkpoint not yet there: the one before it is the newest), other_path (rank 1's copy of a
-path is another: FMOE_TEST_OTHER_PATH="OLD=>NEW" replaces OLD by NEW in its arguments).
+path is another: FMOE_TEST_OTHER_PATH="OLD=>NEW" replaces OLD by NEW in its arguments),
+drift (rank 1's first parameter of fmoe's AdamW moves by 1e-3 after its second step: a
+replica that no longer agrees).
 SCRIPT: train_moe, evaluate, generate or export_hf (examples/).
 """
 
@@ -14,6 +16,9 @@ import pathlib
 import runpy
 import sys
 
+import torch
+
+import fmoe.optim
 import fmoe.train.checkpoint
 import fmoe.train.data
 
@@ -32,6 +37,19 @@ if os.environ.get("RANK") == "1":
             return steps[-2] if found is not None and len(steps) > 1 else found
 
         fmoe.train.checkpoint.latest = older
+    elif fault == "drift":
+        adamw_step, steps = fmoe.optim.AdamW.step, []
+
+        def drifting(self, *args, **kwargs):
+            out = adamw_step(self, *args, **kwargs)
+            steps.append(1)
+            if len(steps) == 2:
+                with torch.no_grad():
+                    p = self.param_groups[0]["params"][0]
+                    (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
+            return out
+
+        fmoe.optim.AdamW.step = drifting
     elif fault == "none":  # a check each rank makes of its own part: no fault needed
         pass
     elif fault == "other_path":  # the arguments name a path rank 1 holds another copy of

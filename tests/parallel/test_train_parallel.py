@@ -286,6 +286,16 @@ def test_a_checkpoint_whose_ranks_disagree_stops_every_rank_with_one_message(tmp
         (step3 / "extra_rank1.pt").write_bytes(b"not a checkpoint")
 
 
+def test_a_replica_that_drifts_stops_the_run_at_the_next_check(tmp_path):
+    """Data-parallel replicas (--dp_replicate=2) hold the same weights bit for bit: rank 1's
+    drifting after step 2 (one_rank_fault.py's drift) stops both ranks at the first check
+    after it (--check_replicas_every=3: step 3), naming the tensor, not at the run's end."""
+    done = _one_rank_fault("drift", "train_moe", f"--out_dir={tmp_path}", *TINY, "--dp_replicate=2", "--check_replicas_every=3",
+                           "--steps=6", "--eval_every=100")
+    assert done.returncode != 0 and "step 3: the ranks holding copies of embed disagree" in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2]  # stopped before step 3's record
+
+
 def test_ranks_that_read_different_data_stop_with_one_message(tmp_path):
     """Each rank reads the data itself: rank 1 one text file short (one_rank_fault.py) stops
     both ranks at start, saying what each read (before, the run trained on, each rank on its
