@@ -213,15 +213,15 @@ class OutDirLock:
                               "(it holds the directory until it ends); wait for it to end, or give another --out_dir") from None
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # the lock goes with the descriptor
-            self._fd = None
-        if self._made:
+        if self._made:  # removed while still held: unlocked first, another run could take it and lose it to the rmdir
             self._made = False
             try:
                 self._path.rmdir()  # only where nothing was written into it
             except OSError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)  # the lock goes with the descriptor
+            self._fd = None
 
     def __del__(self):
         self.release()

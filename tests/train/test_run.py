@@ -487,6 +487,18 @@ def test_saved_config_is_the_record_or_nothing(tmp_path):
     assert len(runs) == 3
 
 
+def test_an_out_dir_the_lock_made_is_removed_while_still_held(tmp_path, monkeypatch):
+    """release() unlocked, then removed the empty directory it had made: a run that took the
+    lock between the two lost its out_dir. The directory goes first, the lock after."""
+    from fmoe.train import run as run_module
+
+    closed = []
+    real_close = os.close
+    monkeypatch.setattr(run_module.os, "close", lambda fd: (closed.append((tmp_path / "made").exists()), real_close(fd)))
+    run_module.OutDirLock(tmp_path / "made").release()
+    assert closed == [False] and not (tmp_path / "made").exists()
+
+
 def test_an_out_dir_lock_refused_its_path_leaves_no_error_behind(monkeypatch):
     """A path that is not one: the ValueError, and then an AttributeError of the half-made
     lock's __del__ printed as an ignored exception."""
