@@ -725,7 +725,8 @@ class MetricsLogger:
 
     start_step: the step the run starts or resumes at; records of the file with step >=
     start_step are dropped at construction (a fresh run, start_step=0, starts an empty file;
-    a resumed run keeps one record per step).
+    a resumed run keeps one record per step); the file is rewritten whole or not at all (a
+    failure leaves it as it was).
     tensorboard: also write every number of each record to TensorBoard event files in
     `<out_dir>/tensorboard` (torch's SummaryWriter; the `tensorboard` package, the
     `fmoe[tensorboard]` extra): a scalar as its key, a list of numbers (per MoE layer) as
@@ -749,7 +750,14 @@ class MetricsLogger:
         out_dir.mkdir(parents=True, exist_ok=True)
         refuse_link(self.path)
         kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] < start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        # written beside it and renamed over it: a run killed (or a disk full) during the rewrite left the log cut short
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.unlink(missing_ok=True)  # a link there (a run folder from elsewhere) is not written through
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -353,6 +353,27 @@ def test_a_log_after_close_or_of_keys_that_write_alike_is_refused(tmp_path):
         other.log(2, {})
 
 
+def test_a_resume_s_rewrite_of_the_log_is_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A resumed logger rewrites metrics.jsonl without the records from its start step on: a
+    failure during the rewrite (a full disk, a kill) left it cut short, the run's history lost.
+    It is written beside it and renamed over it: a failure leaves the file as it was."""
+    log = M.MetricsLogger(tmp_path, total_steps=5, print_progress=False)
+    for step in (1, 2, 3):
+        log.log(step, {"loss": float(step)})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(M.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        M.MetricsLogger(tmp_path, total_steps=5, start_step=2, print_progress=False)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    monkeypatch.undo()
+    M.MetricsLogger(tmp_path, total_steps=5, start_step=2, print_progress=False)
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
 def test_logger_refuses_a_step_read_metrics_would_leave_out(tmp_path):
     """read_metrics keeps the records with an int step: log refuses any other step, so that no
     written record is dropped on reading."""
