@@ -254,20 +254,30 @@ class TokenDataset:
     def doc_len(self, i: int) -> int:
         return int(self.doc_lens[i])
 
+    def _checked_span(self, i, begin, end) -> tuple[int, int, int]:
+        """(i, begin, end) as ints, checked: a document of the dataset, 0 <= begin <= end <=
+        its doc_len (end None: doc_len). A negative begin read the document before's tokens,
+        an end past doc_len other lengths of the tokens and the mask, without a word."""
+        i = _int_arg("i", i, 0, len(self) - 1)
+        n = self.doc_len(i)
+        begin = _int_arg("begin", begin, 0, n)
+        return i, begin, n if end is None else _int_arg("end", end, begin, n)
+
     def _span(self, array: np.ndarray, i: int, begin: int, end: Optional[int], dtype, eos) -> torch.Tensor:
         """Entries begin..end-1 of document i's span of `array` (aligned with data), `eos`
         for the virtual EOS when the span reaches it: [end - begin] of numpy `dtype`."""
+        i, begin, end = self._checked_span(i, begin, end)
         length = int(self.lengths[i])
-        end = self.doc_len(i) if end is None else end
         start = int(self.starts[i])
         # np.array copies: an int64 .npy memmap would otherwise be shared read-only with torch
         body = torch.from_numpy(np.array(array[start + begin: start + min(end, length)], dtype=dtype))
-        if end > length:  # the slice reaches the virtual EOS
+        if end > max(begin, length):  # the slice reaches the virtual EOS (an empty one at it holds none)
             body = torch.cat([body, torch.tensor([eos], dtype=body.dtype)])
         return body
 
     def document(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """Tokens begin..end-1 of document i (EOS included): [end - begin] int64."""
+        """Tokens begin..end-1 of document i (EOS included): [end - begin] int64. i in
+        0..len - 1, 0 <= begin <= end <= doc_len(i) (end None: doc_len(i)), else a ValueError."""
         tokens = self._span(self.data, i, begin, end, np.int64, self.eos)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)][0]
@@ -276,9 +286,10 @@ class TokenDataset:
 
     def document_mask(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """label_mask of tokens begin..end-1 of document i: [end - begin] bool (all True
-        without a label_mask; the virtual EOS counts)."""
+        without a label_mask; the virtual EOS counts); i, begin and end as for document."""
         if self.label_mask is None:
-            return torch.ones((self.doc_len(i) if end is None else end) - begin, dtype=torch.bool)
+            i, begin, end = self._checked_span(i, begin, end)
+            return torch.ones(end - begin, dtype=torch.bool)
         return self._span(self.label_mask, i, begin, end, bool, True)
 
     def subset(self, indices: np.ndarray) -> "TokenDataset":
@@ -783,8 +794,8 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
     cu_seqlens = cu_seqlens.to(torch.int32)
     for name, mask in (("label_mask", label_mask), ("token_mask", token_mask)):
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):
-            raise ValueError(f"{name}: expected a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
-                             f"{getattr(mask, 'shape', type(mask).__name__)}")
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__  # a numpy mask: "got (10,)"
+            raise ValueError(f"{name}: expected a tensor of input_ids' shape {tuple(input_ids.shape)}, got {got}")
     for name, mask in (("label_mask", label_mask), ("token_mask", token_mask)):  # a 2 was read as True
         if mask is not None and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
             bad = mask[(mask != 0) & (mask != 1)][0].item()
@@ -1130,8 +1141,12 @@ class Blend:
 
     def __init__(self, datasets: Sequence[TokenDataset], names: Sequence[str], weights: Sequence[float],
                  paths: Optional[Sequence[Optional[str]]] = None):
-        self.datasets, self.names = list(datasets), list(names)
+        self.datasets, self.names, weights = list(datasets), list(names), list(weights)  # a generator of weights: len() failed
         self.paths = list(paths) if paths is not None else [None] * len(self.datasets)
+        if not all(isinstance(d, TokenDataset) for d in self.datasets):
+            raise ValueError(f"datasets: expected TokenDatasets, got {[type(d).__name__ for d in self.datasets]}")
+        if not all(isinstance(n, str) for n in self.names):  # checkpoints and metrics key the sources by name
+            raise ValueError(f"names: expected str source names, got {self.names}")
         if not self.datasets or not len(self.datasets) == len(self.names) == len(weights) == len(self.paths):
             raise ValueError(f"datasets, names, weights, paths: expected one entry per source, got {len(self.datasets)}, "
                              f"{len(self.names)}, {len(weights)}, {len(self.paths)}")
@@ -1389,6 +1404,11 @@ class BlendSampler:
         missing = [k for k in ("seed", "names", "weights", "batches", "tokens", "samplers") if k not in state]
         if missing:
             raise ValueError(f"state: missing keys {missing}")
+        for key in ("names", "weights", "batches", "tokens", "samplers"):  # None: "object of type 'NoneType' has no len()"
+            if not isinstance(state[key], (list, tuple)):
+                raise ValueError(f"state: {key} expected a list, got {type(state[key]).__name__}")
+        if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in state["weights"]):
+            raise ValueError(f"state: weights expected numbers, got {list(state['weights'])}")
         if list(state["names"]) != self.blend.names:
             raise ValueError(f"state: sources {list(state['names'])}, this blend has {self.blend.names}")
         if len(state["weights"]) != n:  # a state edited by hand: zip read the first n (or none) and took it

@@ -168,6 +168,27 @@ def test_state_of_another_blend_refused():
     assert target.batches == [0, 0] and target.samplers[0].state_dict()["index"] == 0  # nothing changed
 
 
+def test_a_blend_or_a_state_of_the_wrong_kinds_is_refused_by_name():
+    """Source names that are not str were taken (checkpoints and metrics key the sources by
+    name), weights given as a generator failed on len(), a source that is no TokenDataset on
+    an attribute, and a state's None or non-number fields on TypeErrors; each is a ValueError
+    naming the argument now, the sampler left as it was."""
+    with pytest.raises(ValueError, match=r"^names: expected str source names, got \[1, 2\]"):
+        Blend([_source(0), _source(1)], [1, 2], [1, 1])
+    with pytest.raises(ValueError, match=r"^datasets: expected TokenDatasets, got \['list'\]"):
+        Blend([[1, 2]], ["a"], [1])
+    assert Blend([_source(0), _source(1)], ["a", "b"], (w for w in (3, 1))).weights == [0.75, 0.25]
+    sampler = BlendSampler(_blend([0.5, 0.5]), 8, seed=1)
+    state = sampler.state_dict()
+    for key, value, match in [("weights", [0.5, "x"], r"state: weights expected numbers, got \[0.5, 'x'\]"),
+                              ("weights", None, "state: weights expected a list, got NoneType"),
+                              ("samplers", None, "state: samplers expected a list, got NoneType"),
+                              ("batches", None, "state: batches expected a list, got NoneType")]:
+        with pytest.raises(ValueError, match=f"^{match}$"):
+            sampler.load_state_dict({**state, key: value})
+    assert sampler.state_dict() == state
+
+
 # ---------------------------------------------------------------- validation
 
 

@@ -111,6 +111,25 @@ def test_token_dataset_refuses_spans_outside_its_data_and_an_eos_outside_its_voc
         Sampler(ds, 3, seed=0, shuffle=False).next_batch()
 
 
+def test_a_document_span_outside_the_document_is_refused_by_name():
+    """document(i, begin, end) read the document before's tokens for a negative begin, gave
+    tokens and mask of other lengths for an end past the document, a document from the end
+    for a negative i, and numpy's or torch's errors otherwise; make_batch named a numpy mask's
+    shape as what was wrong."""
+    ds = TokenDataset(np.arange(20, dtype=np.int64), np.array([0, 10]), np.array([10, 10]), None, vocab_size=100, eos=99)
+    assert ds.document(1, 2).tolist() == [12, 13, 14, 15, 16, 17, 18, 19, 99] and ds.document_mask(1, 2, 11).shape == (9,)
+    assert ds.document(1, 11).tolist() == [] and ds.document(np.int64(0), 0, 1).tolist() == [0]
+    for args, match in [((1, -3), r"^begin: expected 0..11, got -3$"), ((1, 2, 100), r"^end: expected 2..11, got 100$"),
+                        ((1, 5, 2), r"^end: expected 5..11, got 2$"), ((2,), r"^i: expected 0..1, got 2$"),
+                        ((-1,), r"^i: expected 0..1, got -1$"), ((0, 12), r"^begin: expected 0..11, got 12$"),
+                        ((0, 1.5), r"^begin: expected an int")]:
+        for read in (ds.document, ds.document_mask):
+            with pytest.raises(ValueError, match=match):
+                read(*args)
+    with pytest.raises(ValueError, match=r"^token_mask: expected a tensor of input_ids' shape \(10,\), got ndarray$"):
+        make_batch(torch.arange(10), torch.tensor([0, 10]), token_mask=np.ones(10, dtype=bool))
+
+
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
 def test_make_batch_takes_the_unsigned_ids_of_a_token_file(dtype):
     """torch.from_numpy of a .u16 / .u32 file's slice: torch's min lacks these dtypes ("min_all"
