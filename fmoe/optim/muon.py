@@ -69,6 +69,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.ops.backend import local_tensor as _local
+from fmoe.ops.checks import check_bools
 from fmoe.ops.experts import EXPERT_BIASES
 from fmoe.optim.adamw import (
     check_number, check_ordered, check_params_once, check_saved_groups, check_state_shapes, split_names, with_names,
@@ -97,7 +98,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: 
     Computes in `dtype` (bfloat16 as in modded-nanogpt; torch.float32 for checks) and returns
     G's dtype. Singular values of the result lie near, not at, 1 (see the module docstring).
     G must be real floating point (ValueError otherwise); steps an int >= 1, eps a finite
-    number >= 0 (added to the norm), dtype a floating torch.dtype.
+    number > 0 (added to the norm: 0 made a zero matrix NaN), dtype a floating torch.dtype.
 
         O = newton_schulz(torch.randn(4, 32, 16))   # 4 matrices, each with O^T O ~ I
     """
@@ -107,7 +108,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: 
         raise ValueError(f"G: expected a floating-point tensor, got {G.dtype}")
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-    check_number("eps", eps, "a finite eps >= 0", lambda v: v >= 0.0)  # a negative one divided by ~0
+    check_number("eps", eps, "a finite eps > 0", lambda v: v > 0.0)  # a negative one divided by ~0, 0 by a zero matrix's 0
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # an int32 failed inside torch's norm
         raise ValueError(f"dtype: expected a floating torch.dtype (torch.bfloat16, torch.float32), got {dtype!r}")
     a, b, c = NS_COEFFS
@@ -312,6 +313,9 @@ def split_param_groups(
         opts = [Muon(muon_groups), torch.optim.AdamW(adamw_groups)]
         _, groups = split_param_groups(model, muon=False, weight_decay=0.1)   # AdamW only
     """
+    if not isinstance(model, nn.Module):  # a list of parameters: "'list' object has no attribute 'modules'"
+        raise ValueError(f"model: expected an nn.Module (its parameters' names decide the groups), got {type(model).__name__}")
+    check_bools(muon=muon, decay_embeddings=decay_embeddings)  # "no" is truthy: matrices to Muon, the embeddings decayed
     try:
         patterns = (adamw_patterns,) if isinstance(adamw_patterns, str) else tuple(adamw_patterns)  # "embed": not "e", "m", ...
     except TypeError:

@@ -67,9 +67,10 @@ def _check_count(name: str, value) -> int:
 def _check_nonnegative(name: str, value) -> None:
     # a real number (numpy's too), not a bool, a tensor (a float32 tensor's step gave a tensor
     # lr, rounded to float32) or a Decimal (a TypeError inside)
-    ok = isinstance(value, Real) and not isinstance(value, bool) and value >= 0  # False for NaN
+    # inf: a schedule's end (min_lr, the last batch size) without a word; a huge int is finite (no float() of it)
+    ok = isinstance(value, Real) and not isinstance(value, bool) and value >= 0 and value != math.inf  # False for NaN
     if not ok:
-        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
 
 
 def lr_at(

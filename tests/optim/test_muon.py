@@ -636,13 +636,29 @@ def test_default_lr_is_on_the_default_scale_s():
     assert {g["lr"] for g in muon} == {g["lr"] for g in adamw} == {3e-4}
 
 
+def test_split_param_groups_refuses_flags_that_are_not_bools_and_a_model_that_is_not_a_module():
+    """muon="no" and decay_embeddings="no" (a config's string) are truthy: the matrices went to
+    Muon and the embeddings were decayed, without a word; a list of parameters failed on an
+    AttributeError. As AdamW's master_weights and Muon's nesterov, each is a ValueError."""
+    model = nn.ModuleDict({"embed": nn.Embedding(5, 4), "proj": nn.Linear(4, 4)})
+    for kwargs, match in [({"muon": "no"}, "^muon: expected a bool, got 'no'$"),
+                          ({"decay_embeddings": "False"}, "^decay_embeddings: expected a bool, got 'False'$")]:
+        with pytest.raises(ValueError, match=match):
+            split_param_groups(model, **kwargs)
+    with pytest.raises(ValueError, match="^decay_embeddings: expected a bool, got 'no'$"):
+        build_optimizers(model, decay_embeddings="no")
+    with pytest.raises(ValueError, match=r"^model: expected an nn.Module .*got list$"):
+        split_param_groups(list(model.parameters()))
+
+
 def test_newton_schulz_refuses_a_bad_dtype_or_eps():
     with pytest.raises(ValueError, match=r"^dtype: expected a floating torch.dtype .*got torch.int32"):  # torch's RuntimeError
         newton_schulz(torch.randn(3, 3), dtype=torch.int32)
-    for eps in (-1.0, math.nan, "1e-7"):
-        with pytest.raises(ValueError, match="^eps: expected a finite eps >= 0"):
+    for eps in (-1.0, math.nan, "1e-7", 0, 0.0):  # 0: a zero matrix (a parameter's first gradient, all 0) came back NaN
+        with pytest.raises(ValueError, match="^eps: expected a finite eps > 0"):
             newton_schulz(torch.randn(3, 3), eps=eps)
-    assert newton_schulz(torch.randn(3, 3), eps=0, dtype=torch.float32).dtype == torch.float32
+    assert newton_schulz(torch.randn(3, 3), eps=1e-30, dtype=torch.float32).dtype == torch.float32
+    assert newton_schulz(torch.zeros(3, 3), dtype=torch.float32).eq(0).all()
 
 
 def test_load_refuses_a_group_the_step_would_refuse():

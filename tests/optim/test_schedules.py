@@ -188,12 +188,15 @@ def test_lr_monotonic(config):
 
 def test_lr_bad_arguments():
     kw = dict(max_lr=1.0, total=100, warmup=10)
-    _raises("step: expected a number >= 0", lr_at, -1, **kw)
+    _raises("step: expected a finite number >= 0", lr_at, -1, **kw)
     _raises("step:", lr_at, float("nan"), **kw)
+    for style in ("cosine", "constant"):  # the schedule's end (or its top) without a word
+        _raises(r"^step: expected a finite number >= 0, got inf$", lr_at, math.inf, **kw, style=style)
+    assert lr_at(10**400, max_lr=1.0, total=10**401, warmup=0, style="linear") == pytest.approx(0.9)  # a huge int is finite
     _raises("step:", lr_at, "3", **kw)
     # a tensor step (an optimizer state's float32 step) gave a tensor lr in float32; a Decimal a TypeError inside
     for bad in (torch.tensor(5), torch.tensor(50.0), decimal.Decimal(5), numpy.True_):
-        _raises(r"step: expected a number >= 0, got", lr_at, bad, **kw)
+        _raises(r"step: expected a finite number >= 0, got", lr_at, bad, **kw)
     assert lr_at(numpy.int64(50), **kw) == lr_at(50, **kw) and lr_at(numpy.float32(5.0), **kw) == 0.5  # numpy's numbers are numbers
     _raises(r"wsd_decay: expected at most total - warmup = 90, got 91", lr_at, 5, **kw, style="wsd", wsd_decay=91)
     _raises("wsd_decay:", lr_at, 5, **kw, wsd_decay=-1)
@@ -308,8 +311,9 @@ def test_batch_schedule_errors():
     _raises("schedule: expected a string or a list", batch_size_at, 0, 32)
     _raises("schedule: expected a string", parse_batch_schedule, [(0, 32)])
     # tokens_consumed
-    _raises("tokens_consumed: expected a number >= 0", batch_size_at, -1, "0:32")
+    _raises("tokens_consumed: expected a finite number >= 0", batch_size_at, -1, "0:32")
     _raises("tokens_consumed:", batch_size_at, float("nan"), "0:32")
+    _raises(r"^tokens_consumed: expected a finite number >= 0, got inf$", batch_size_at, math.inf, "0:32 1M:64")
     _raises("tokens_consumed:", batch_size_at, "5", "0:32")
 
 
