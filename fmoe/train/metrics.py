@@ -63,7 +63,7 @@ import math
 import os
 import sys
 import warnings
-from numbers import Real
+from numbers import Complex, Real
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -169,9 +169,12 @@ def mean_block_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], topk_blocks:
     return sum(keys(b - a) for a, b in zip(cu, cu[1:])) / cu[-1]
 
 
-def _check_count(name: str, value, minimum: int = 0) -> None:
+def _check_count(name: str, value, minimum: int = 0, *, whole: bool = False) -> None:
+    """value: a finite real number >= minimum (not a bool); with whole, a whole one too (32 or 32.0, not 32.5)."""
     if isinstance(value, bool) or not isinstance(value, Real) or not minimum <= value < math.inf:
         raise ValueError(f"{name}: expected a finite number >= {minimum}, got {value!r}")
+    if whole and value != int(value):
+        raise ValueError(f"{name}: expected a whole number, got {value!r}")
 
 
 def flops_per_token(
@@ -207,23 +210,22 @@ def flops_per_token(
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
     for name, value in args.items():
-        _check_count(name, value, 1 if name in ("hidden", "vocab") else 0)
-        # sizes and counts of a model are whole; k may be a mean (of a routing that picks fewer: model_flops_per_token)
-        if name in ("hidden", "n_layers", "n_dense", "n_heads", "n_kv_heads", "head_dim", "vocab", "mtp_depth", "n_experts") and value != int(value):
-            raise ValueError(f"{name}: expected a whole number, got {value!r}")
+        # sizes and counts of a model are whole; k may be a mean (of a routing that picks fewer: model_flops_per_token), n_shared
+        # a shared size in units of ffn_expert (shared_size / ffn_expert)
+        _check_count(name, value, 1 if name in ("hidden", "vocab") else 0, whole=name not in ("k", "n_shared", "n_avg_keys"))
     if n_experts and k > n_experts:
         raise ValueError(f"k: expected at most n_experts = {n_experts} experts chosen per token, got {k}")
-    _check_count("n_sliding", n_sliding)
-    _check_count("n_linear", n_linear)
-    _check_count("n_mlp_only", n_mlp_only)
+    _check_count("n_sliding", n_sliding, whole=True)
+    _check_count("n_linear", n_linear, whole=True)
+    _check_count("n_mlp_only", n_mlp_only, whole=True)
     _check_count("linear_layer", linear_layer)
     for name, flag in (("attn_gate", attn_gate), ("attn_gate_per_head", attn_gate_per_head)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}: expected a bool, got {flag!r}")
     if local_heads is not None:
-        _check_count("local_heads", local_heads, 1)
+        _check_count("local_heads", local_heads, 1, whole=True)
     if local_head_dim is not None:
-        _check_count("local_head_dim", local_head_dim, 1)
+        _check_count("local_head_dim", local_head_dim, 1, whole=True)
     if n_dense > n_layers or n_sliding + n_linear + n_mlp_only > n_layers:
         raise ValueError(f"n_dense / n_sliding + n_linear + n_mlp_only: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + "
                          f"{n_linear} + {n_mlp_only}")
@@ -241,11 +243,11 @@ def flops_per_token(
         return H * N * (1 if attn_gate_per_head else Dv) if attn_gate else 0
 
     if attention_weights is not None:
-        _check_count("attention_weights", attention_weights)
+        _check_count("attention_weights", attention_weights, whole=True)
     if v_dim is not None:
-        _check_count("v_dim", v_dim, 1)
+        _check_count("v_dim", v_dim, 1, whole=True)
     if local_attention_weights is not None:
-        _check_count("local_attention_weights", local_attention_weights)
+        _check_count("local_attention_weights", local_attention_weights, whole=True)
     elif local_heads is not None:  # grouped-query attention's, of the local blocks' query heads
         local_attention_weights = H * (local_heads * head_dim + 2 * kv) + local_heads * head_dim * H
 
@@ -583,7 +585,17 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
         if len({(row.shape, row.device) for row in counts}) != 1:
             raise ValueError(f"counts: expected [E] rows of one shape and device, got {[(tuple(r.shape), str(r.device)) for r in counts]}")
         counts = torch.stack(list(counts))  # each layer's tokens_per_expert
-    counts_LE = torch.as_tensor(counts) if not isinstance(counts, torch.Tensor) else counts
+    elif not isinstance(counts, torch.Tensor):  # a list of rows: on the host already, so its values are checked (a tensor's are not read)
+        try:
+            counts = torch.as_tensor(counts)
+        except (TypeError, ValueError, RuntimeError) as err:  # strings, None, ragged rows: torch's "too many dimensions 'str'"
+            raise ValueError(f"counts: expected [L, E] counts (a tensor or a list of [E] rows of numbers), got {counts!r} ({err})") from None
+        if counts.dtype == torch.bool or counts.is_complex():
+            raise ValueError(f"counts: expected counts (numbers >= 0), got {counts.dtype} values")
+        bad = counts[~(torch.isfinite(counts) & (counts >= 0))] if counts.is_floating_point() else counts[counts < 0]
+        if bad.numel():  # a negative count gave a load, NaN NaNs, without a word
+            raise ValueError(f"counts: expected finite counts >= 0, got {bad[0].item()!r}")
+    counts_LE = counts
     if counts_LE.ndim != 2 or counts_LE.shape[1] == 0:
         raise ValueError(f"counts: expected [L, E] counts with E >= 1 (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
     if isinstance(slots, torch.Tensor):  # e.g. token_mask.sum() * k: read on the device, as load_stats reads it
@@ -635,11 +647,11 @@ def _plain(value):
 
 def _si(x: float) -> str:
     """x to one decimal in the smallest unit that keeps it under 1000 once rounded (999999 is 1.0M, not 1000.0k)."""
-    for unit, scale in (("", 1.0), ("k", 1e3), ("M", 1e6)):
+    for unit, scale in (("", 1.0), ("k", 1e3), ("M", 1e6), ("G", 1e9)):
         text = f"{x / scale:.1f}"
         if abs(float(text)) < 1000:
             return text + unit
-    return f"{x / 1e9:.1f}G"
+    return f"{x / 1e12:.1f}T"  # 2e12 was 2000.0G
 
 
 def _duration(seconds: float) -> str:
@@ -654,8 +666,10 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     tok/s 12.3k eta 4m05s` (the fields present in record, in that order). `load` is the
     worst MoE layer's max/mean expert load (record["load_max_over_mean"], one per layer):
     near 1 is balanced, E/k means one expert takes every token. `eta` is
-    record["eta_seconds"]."""
-    _check_count("total_steps", total_steps, 1)
+    record["eta_seconds"]. step: an int >= 0, total_steps and width ints >= 1."""
+    check_positive_int("step", step, 0)  # NaN, None, "3" gave torch's or Python's errors, naming none
+    check_positive_int("total_steps", total_steps)  # 1.5 printed "step 1/1.5"
+    check_positive_int("width", width)  # 0 and -3 printed "[]"
     if not isinstance(record, dict):
         raise ValueError(f"record: expected a dict of the step's metrics, got {type(record).__name__}")
     done = min(max(step / total_steps, 0.0), 1.0)
@@ -664,6 +678,8 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     loads = record.get("load_max_over_mean")
     if isinstance(loads, torch.Tensor):  # layer_loads' tensors, as MetricsLogger.log takes them
         loads = loads.detach().reshape(-1).tolist()
+    elif isinstance(loads, (np.ndarray, np.generic)):  # numpy's, as MetricsLogger.log takes them too (left out of the line before)
+        loads = np.asarray(loads).reshape(-1).tolist()
     # the worst finite layer's (read_metrics gives a non-finite value back as None; NaN would win or lose by its place)
     finite = [v for v in loads if isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)] if isinstance(loads, (list, tuple)) else []
     values = dict(record, load=max(finite) if finite else None)
@@ -691,7 +707,7 @@ def to_host(values: dict) -> dict:
     """The values with every tensor turned into Python numbers in ONE device->host transfer
     per device (a step's logged losses, counts and norms, gathered at its end instead of a
     sync per value). 0-D tensors become a number, others (nested) lists of their shape; integer dtypes give ints (exact up to 2**53: they travel as float64), bool tensors bools.
-    Other values pass through.
+    A complex tensor or number is a ValueError (MetricsLogger.log writes none). Other values pass through.
 
     >>> to_host({"loss": torch.tensor(2.5), "counts": torch.tensor([[1, 2], [3, 4]]), "step": 7})
     {'loss': 2.5, 'counts': [[1, 2], [3, 4]], 'step': 7}
@@ -701,6 +717,10 @@ def to_host(values: dict) -> dict:
     out = dict(values)
     by_device: dict = {}
     for name, v in values.items():
+        # a complex one became the int of its real part (torch's cast), or passed through to a logger that refuses it
+        if isinstance(v, torch.Tensor) and v.is_complex() or isinstance(v, Complex) and not isinstance(v, Real):
+            raise ValueError(f"values[{name!r}]: expected a real (or bool) tensor or number, got a complex "
+                             f"{f'tensor ({v.dtype})' if isinstance(v, torch.Tensor) else f'number {v!r}'}")
         if isinstance(v, torch.Tensor):
             by_device.setdefault(v.device, []).append(name)
     for names in by_device.values():
@@ -737,8 +757,8 @@ class MetricsLogger:
 
     def __init__(self, out_dir, *, rank: int = 0, total_steps: int, start_step: int = 0, print_progress: bool = True,
                  tensorboard: bool = False):
-        _check_count("total_steps", total_steps, 1)
-        _check_count("start_step", start_step)
+        check_positive_int("total_steps", total_steps)  # 2.5 and 1.5 were taken (a finite number)
+        check_positive_int("start_step", start_step, 0)
         out_dir = Path(out_dir)
         if out_dir.exists() and not out_dir.is_dir():
             raise ValueError(f"out_dir: {str(out_dir)!r} exists and is not a directory")
@@ -818,8 +838,12 @@ def _scalars(record: dict):
 def read_metrics_lines(path) -> list[str]:
     """The record lines of a metrics.jsonl: JSON objects with an int "step" (a torn last line
     of a killed run, or any other line, one not UTF-8 included, is left out); [] when the file
-    does not exist."""
+    does not exist. path: a str or os.PathLike, not a directory (ValueError)."""
+    if not isinstance(path, (str, os.PathLike)):  # None: Path's TypeError
+        raise ValueError(f"path: expected the path of a metrics.jsonl (a str or os.PathLike), got {type(path).__name__}")
     path = Path(path)
+    if path.is_dir():  # IsADirectoryError before
+        raise ValueError(f"path: expected the path of a metrics.jsonl, got the directory {str(path)!r} (its metrics.jsonl: {str(path / 'metrics.jsonl')!r})")
     if not path.exists():
         return []
     lines = []

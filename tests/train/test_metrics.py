@@ -276,7 +276,7 @@ def test_progress_line():
                    {"load_max_over_mean": [5 / 3, float("nan")]}):
         assert M.format_progress(1, 10, record) == "[##..................] step 1/10 load 1.67", record
     assert M.format_progress(1, 10, {"load_max_over_mean": [None, float("inf")]}) == "[##..................] step 1/10"
-    with pytest.raises(ValueError, match="total_steps: expected a finite number >= 1, got 0"):
+    with pytest.raises(ValueError, match="total_steps: expected >= 1, got 0"):
         M.format_progress(1, 0, {})
     with pytest.raises(ValueError, match="record: expected a dict of the step's metrics, got NoneType"):  # an AttributeError before
         M.format_progress(1, 10, None)
@@ -285,7 +285,7 @@ def test_progress_line():
 def test_progress_line_picks_the_unit_of_the_rounded_value():
     """A value that rounds up to 1000 of a unit is 1.0 of the next: 999.96 is 1.0k, not 1000.0."""
     cases = {999.94: "999.9", 999.96: "1.0k", 12345.0: "12.3k", 999_949.0: "999.9k", 999_999.0: "1.0M", 999_999_999.0: "1.0G",
-             5e12: "5000.0G", 0.0: "0.0"}
+             999_999_999_999.0: "1.0T", 5e12: "5.0T", 0.0: "0.0"}
     for value, shown in cases.items():
         assert M.format_progress(1, 2, {"tokens_per_s": value}) == f"[##########..........] step 1/2 tok/s {shown}", value
 
@@ -1374,3 +1374,87 @@ def test_logger_writes_numpy_values_as_their_kind(tmp_path):
     assert type(record["tokens"]) is int and type(record["ok"]) is bool
     host = M.to_host({"mask": torch.tensor([True, False]), "any": torch.tensor(True), "n": torch.tensor(3)})
     assert host == {"mask": [True, False], "any": True, "n": 3} and type(host["any"]) is bool and type(host["n"]) is int
+
+
+def test_flops_per_token_refuses_fractional_sizes_and_counts():
+    """flops_per_token checked hidden and n_heads as whole numbers, but ffn_dense, ffn_expert,
+    the layer counts n_sliding, n_linear, n_mlp_only, and attention_weights, v_dim, the local
+    blocks' weights, heads and head dim were taken fractional (ffn_expert 32.5, n_sliding
+    1.5) and gave fractional FLOPs. A whole float is still that number."""
+    local = dict(n_sliding=1, n_avg_local_keys=3.0)
+    for name, value, extra in (("ffn_dense", 256.5, {}), ("ffn_expert", 32.5, {}), ("n_sliding", 1.5, dict(n_avg_local_keys=3.0)),
+                               ("n_linear", 0.5, dict(linear_layer=100.0)), ("n_mlp_only", 0.5, {}), ("v_dim", 16.5, {}),
+                               ("attention_weights", 100.5, {}), ("local_attention_weights", 100.5, local),
+                               ("local_heads", 1.5, local), ("local_head_dim", 8.5, local)):
+        args = {**CFG, **extra, name: value}
+        with pytest.raises(ValueError, match=f"^{name}: expected a whole number, got {value}$"):
+            M.flops_per_token(**args)
+        assert M.flops_per_token(**{**args, name: math.floor(value) + 1.0}) == M.flops_per_token(**{**args, name: math.floor(value) + 1})
+    assert M.flops_per_token(**dict(CFG, k=1.5, n_shared=0.5), n_experts=8) > 0  # a mean k, a shared size in units of ffn_expert
+
+
+def test_layer_loads_checks_a_lists_counts():
+    """A list of rows with a negative count gave load metrics ([[-1, 2]]: max/mean 4.0, CV
+    3.0), NaN gave NaNs, and string rows torch's "too many dimensions 'str'", naming no
+    argument. A tensor's values are still not read on the host."""
+    for bad, shown in (([[-1, 2]], "-1"), ([[float("nan"), 2.0]], "nan"), ([[4.0, float("inf")]], "inf")):
+        with pytest.raises(ValueError, match=f"^counts: expected finite counts >= 0, got {shown}$"):
+            M.layer_loads(bad, 4)
+    for bad in ([["a", "b"]], [[1, 2], [3]], None):
+        with pytest.raises(ValueError, match=r"^counts: expected \[L, E\] counts \(a tensor or a list of \[E\] rows of numbers\)"):
+            M.layer_loads(bad, 4)
+    with pytest.raises(ValueError, match="^counts: expected counts"):
+        M.layer_loads([[True, False]], 4)
+    assert M.to_host(M.layer_loads([[1, 3], [2, 2]], 4)) == M.to_host(M.layer_loads(torch.tensor([[1, 3], [2, 2]]), 4))
+    with M.HostReads() as reads:
+        M.layer_loads(torch.tensor([[-1, 2]]), 4)  # a tensor: not read (its values are the caller's)
+    assert reads.count == 0
+
+
+def test_format_progress_checks_step_and_width_and_shows_numpy_loads():
+    """step and width were not checked: NaN, None and "3" gave unrelated errors, width 0 or
+    -3 printed "[]", total_steps 1.5 printed "step 1/1.5"; a numpy load_max_over_mean (which
+    MetricsLogger.log writes) was left out of the line; 2e12 tok/s printed 2000.0G."""
+    for name, args, want in (("step", (float("nan"), 10, {}), "expected an int, got nan"), ("step", (None, 10, {}), "expected an int"),
+                             ("step", ("3", 10, {}), "expected an int"), ("step", (-1, 10, {}), "expected >= 0, got -1"),
+                             ("total_steps", (1, 1.5, {}), "expected an int, got 1.5")):
+        with pytest.raises(ValueError, match=f"^{name}: {want}"):
+            M.format_progress(*args)
+    for width, want in ((2.5, "expected an int, got 2.5"), (None, "expected an int, got None"), (0, "expected >= 1, got 0"), (-3, "expected >= 1")):
+        with pytest.raises(ValueError, match=f"^width: {want}"):
+            M.format_progress(5, 10, {}, width=width)
+    assert M.format_progress(5, 10, {}, width=4) == "[##..] step 5/10"
+    import numpy as np
+
+    for loads in (np.array([1.2, 1.5]), np.float64(1.5), torch.tensor([1.2, 1.5])):
+        assert M.format_progress(5, 10, {"load_max_over_mean": loads}) == "[##########..........] step 5/10 load 1.50", loads
+    assert M.format_progress(5, 10, {"tokens_per_s": 2e12}) == "[##########..........] step 5/10 tok/s 2.0T"
+
+
+def test_to_host_refuses_complex_values():
+    """A complex tensor became the int of its real part (1.5+2j -> 1, [3+4j] -> [3]), with
+    only torch's cast warning; MetricsLogger.log refuses complex values."""
+    for value, shown in ((torch.tensor(1.5 + 2j), r"tensor \(torch.complex64\)"), (torch.tensor([3 + 4j]), "tensor"), (1 + 2j, r"number \(1\+2j\)")):
+        with pytest.raises(ValueError, match=rf"^values\['c'\]: expected a real \(or bool\) tensor or number, got a complex {shown}"):
+            M.to_host({"loss": torch.tensor(1.0), "c": value})
+    assert M.to_host({"x": torch.tensor(2.5), "n": 3, "s": "text"}) == {"x": 2.5, "n": 3, "s": "text"}
+
+
+def test_logger_takes_int_steps_and_read_metrics_a_file(tmp_path):
+    """MetricsLogger took total_steps 2.5 and start_step 1.5 (checked as finite numbers, then
+    records of step < 1.5 kept); read_metrics gave IsADirectoryError for a directory and a
+    TypeError for None, naming no argument."""
+    log = M.MetricsLogger(tmp_path, total_steps=10, print_progress=False)
+    for step in range(3):
+        log.log(step, {"loss": 1.0})
+    for kwargs, want in ((dict(total_steps=2.5), "total_steps: expected an int, got 2.5"), (dict(total_steps=10.0), "total_steps: expected an int"),
+                         (dict(total_steps=10, start_step=1.5), "start_step: expected an int, got 1.5"),
+                         (dict(total_steps=10, start_step=-1), "start_step: expected >= 0, got -1")):
+        with pytest.raises(ValueError, match=f"^{want}"):
+            M.MetricsLogger(tmp_path, print_progress=False, **kwargs)
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]  # a refused logger rewrote nothing
+    with pytest.raises(ValueError, match="^path: expected the path of a metrics.jsonl, got the directory"):
+        M.read_metrics(tmp_path)
+    with pytest.raises(ValueError, match=r"^path: expected the path of a metrics.jsonl \(a str or os.PathLike\), got NoneType"):
+        M.read_metrics(None)
+    assert M.read_metrics(str(tmp_path / "none.jsonl")) == []
