@@ -44,6 +44,7 @@ import inspect
 from typing import Iterator, Optional
 
 import torch
+from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -157,9 +158,13 @@ def apply_fsdp(
     for module in model.modules():
         if isinstance(module, Block):
             shard_unit(module, mesh=dense, mp_policy=mp, **kw)
-    # the root stays gathered until backward: its forward returns TensorDicts, which FSDP's
-    # pre-backward hooks do not look into, so it could not re-gather for backward
+    # the root stays gathered until backward, as torchtitan's (its backward begins at once)
     shard_unit(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
+    # its forward returns TensorDicts, which FSDP2 does not look into for the tensors to hook
+    # its pre-backward on: without them, a backward after the root was resharded (a second
+    # backward of a retained graph, the first of two graphs after the second, a backward after
+    # an evaluation forward without gradients in between) read its freed parameters
+    model.register_forward_hook(_regather_for_backward)
     # ...but a forward without gradients has no backward to reshard it: left gathered, the
     # next forward read the root's parameters of before an optimizer step in between, and an
     # optimizer built after it took the gathered copies (never trained). Resharded after one.
@@ -176,6 +181,28 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def _regather_for_backward(module: nn.Module, args, output) -> None:
+    """Hook the root unit's pre-backward (which gathers its parameters again where they were
+    resharded) on the tensors of the TensorDicts its forward returns, as FSDP2 hooks it on
+    the tensors of plain containers (tuples, lists, dicts: those it hooks itself). Not under
+    torch.compile: the compiled graphs stay as they were (as _owned leaves them)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    pre_backward = module._get_fsdp_state()._pre_backward
+    stack, tensors = [output], []
+    while stack:
+        value = stack.pop()
+        if isinstance(value, TensorDictBase):
+            tensors += value.values(include_nested=True, leaves_only=True)
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(pre_backward)
 
 
 def _reshard_without_backward(module: nn.Module, args=None, output=None) -> None:

@@ -705,6 +705,48 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol, gathered_too=True):
                 gathers=(len(gathers), len(kept_gathers), len(resharded_gathers)))
 
 
+ORDERS = ("retain_graph_twice", "no_grad_forward_before_backward", "second_graph_first")
+
+
+def _autograd_orders(rank, world):
+    """{order: the largest error of the gradients against one process's, or the error raised}
+    for three autograd orders of one process on a parallelize()d model (FSDP2 over every
+    rank, each rank the same micro-batch: the gradients are world x one process's): two
+    backwards of a retained graph, a forward without gradients (an evaluation) between a
+    forward and its backward, and two graphs' backwards, the second's first."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
+    batch = _batches(1, mtp_depth=0)[0]
+    out = {}
+    for order in ORDERS:
+        torch.manual_seed(0)
+        ref, model = Transformer(cfg), Transformer(cfg)
+        model.load_state_dict(ref.state_dict())
+        parallelize(model, build_meshes())
+        for m, scale in ((ref, world), (model, 1)):
+            loss = _loss(m, batch, 24, 0)[0] * scale
+            try:
+                if order == "retain_graph_twice":
+                    loss.backward(retain_graph=True)
+                    loss.backward()
+                elif order == "no_grad_forward_before_backward":
+                    with torch.no_grad():
+                        _loss(m, batch, 24, 0)
+                    loss.backward()
+                else:
+                    second = _loss(m, batch, 24, 0)[0] * scale
+                    second.backward()
+                    loss.backward()
+            except RuntimeError as err:  # the root unit's freed parameters: "setStorage: ... storage of size 0"
+                out[order] = str(err)[:200]
+                break
+        else:
+            out[order] = max(float((_full(p.grad) - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12))
+                             for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
+    return out
+
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
     user-Blocks case, the refusals and the failed exports."""
@@ -715,6 +757,7 @@ def _cases(rank, world, names):
         out["user_blocks"], out["bad_tp"] = in_own_groups(_user_blocks, rank, world), in_own_groups(_bad_tp, rank, world)
         out["failed_export"] = in_own_groups(_failed_export, rank, world)
         out["in_place_owned"], out["in_place_plain"] = (in_own_groups(_in_place_on_unit_outputs, rank, world, plain) for plain in (False, True))
+        out["autograd_orders"] = in_own_groups(_autograd_orders, rank, world)
     return out
 
 
@@ -905,6 +948,19 @@ def test_in_place_ops_on_a_unit_s_output_keep_its_gradients(results):
         owned, plain = by_case["in_place_owned"], by_case["in_place_plain"]
         assert owned == 0.0, f"rank {rank}: {owned}"
         assert isinstance(plain, str) or plain > 1e-3, f"rank {rank}: fully_shard kept the gradient ({plain}); the test has no teeth"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_autograd_orders_of_one_process_give_its_gradients(results, order):
+    """The root unit stays gathered after forward and its forward returns TensorDicts, which
+    FSDP2 does not look into for the tensors to hook its pre-backward on (the re-gather of a
+    resharded unit): a backward after the root was resharded (a retained graph's second, the
+    first graph's after the second's, one after an evaluation forward without gradients in
+    between) read its freed parameters ("setStorage: ... storage of size 0"), where one
+    process runs each. Each now gives one process's gradients."""
+    for rank, by_case in enumerate(results(2)):
+        error = by_case["autograd_orders"][order]
+        assert not isinstance(error, str) and error < 1e-5, f"rank {rank}: {error}"
 
 
 def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone():
