@@ -181,10 +181,10 @@ def test_a_scheduler_s_initial_lr_loads_as_torch_s_load_state_dict_keeps_it(tmp_
 
 def _linear_opt(groups, lr=5e-3):
     """nn.Linear(4, 3) with torch AdamW over its weight and bias in `groups`: a list of
-    ({names}, knobs) pairs."""
+    ({names}, knobs) pairs (in a group, the weight before the bias)."""
     model = nn.Linear(4, 3)
     params = dict(model.named_parameters())
-    return model, torch.optim.AdamW([{"params": [params[n] for n in names], **knobs} for names, knobs in groups], lr=lr)
+    return model, torch.optim.AdamW([{"params": [params[n] for n in sorted(names, reverse=True)], **knobs} for names, knobs in groups], lr=lr)
 
 
 def test_a_group_of_parameters_saved_with_other_knobs_is_refused_or_keeps_its_own(tmp_path):
@@ -215,6 +215,25 @@ def test_a_group_of_parameters_saved_with_other_knobs_is_refused_or_keeps_its_ow
     _assert_identical(_tensors(same, [same_opt]), _tensors(fresh, [one_group]))
     with pytest.raises(ValueError, match="knobs: expected 'saved' or 'held', got 'kept'"):
         ckpt.load(tmp_path / "same", model=fresh, optimizers=[one_group], knobs="kept")
+
+
+def test_a_parameter_frozen_when_saved_and_trained_now_loads_with_its_groups_knobs(tmp_path):
+    """A parameter in no optimizer when saved (frozen then: a pipeline stage that trained
+    nothing) has no knobs in the checkpoint: the refusal named another kind of optimizer and
+    load_model; it names the parameter and knobs="held", which loads the others' state and
+    leaves the parameter without state (its first step a first step)."""
+    saved, opt = _linear_opt([({"bias"}, {"lr": 1e-2})])
+    saved(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    ckpt.save(tmp_path, 1, model=saved, optimizers=[opt])
+    fresh, both = _linear_opt([({"weight", "bias"}, {})])
+    with pytest.raises(ValueError, match=r"holds no param_groups\.weight\.lr, .*these parameters were in no optimizer when it was saved "
+                                         r"\(frozen then\?\); load with knobs='held'"):
+        ckpt.load(tmp_path, model=fresh, optimizers=[both])
+    ckpt.load(tmp_path, model=fresh, optimizers=[both], knobs="held")
+    assert fresh.weight not in both.state and torch.equal(both.state[fresh.bias]["exp_avg"], opt.state[saved.bias]["exp_avg"])
+    with pytest.raises(ValueError, match="these optimizers differ from the saving run's"):  # another kind: some knobs of each missing
+        ckpt.load(tmp_path, model=fresh, optimizers=[torch.optim.SGD([fresh.bias], lr=1e-2, momentum=0.9)])
 
 
 def test_ranks_refuse_a_regrouped_load_together_and_load_its_grouping(tmp_path):
