@@ -18,7 +18,14 @@ FSDP2. FSDP units, innermost first:
     HyperConnection  (hyper-connections' weights, the blocks' and the head's) and
     ResidualGate  (residual gates') over the dense data mesh, never cast: float32 like the router
     each Block    over the dense data mesh (attention, norms, dense MLP)
-    the model     embedding, head, final norm, MTP projections
+    the model     embedding, head, final norm, MTP projections: gathered from its forward
+                  to its backward (torchtitan's root), its pre-backward hooked on the
+                  TensorDicts' tensors its forward returns (FSDP2 hooks only plain
+                  containers'), so that any order of backwards one process runs gathers it
+                  again; a forward whose backward never comes (a dropped loss) leaves it
+                  gathered, and the next call gathers it anew where an optimizer step changed
+                  its shards since. parameters() gives the gathered copies meanwhile;
+                  state_dict() (and fmoe.train.checkpoint) reshards first.
 
 Every unit is sharded by shard_unit, which first hooks its forward to pass on an output
 that is an autograd view (DTensor's to_local at the edges of a tensor-parallel region, a
@@ -52,6 +59,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.layers import EXPERT_BIASES
 from fmoe.model import Block, HyperConnection, MoE, ResidualGate, Transformer
+from fmoe.ops.backend import local_tensor
 from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -165,6 +173,12 @@ def apply_fsdp(
     # backward of a retained graph, the first of two graphs after the second, a backward after
     # an evaluation forward without gradients in between) read its freed parameters
     model.register_forward_hook(_regather_for_backward)
+    # ...and gathered after a forward with gradients whose backward never came (a loss dropped: a
+    # skipped micro-batch, a metric of logits() read with gradients on): an optimizer step then
+    # changed the shards, and the next forward ran on the gathered copies of before it.
+    # Regathered where the shards changed since the gather (their version counters)
+    model.register_forward_pre_hook(_regather_if_stepped, prepend=True)
+    model.register_forward_hook(_note_gathered)
     # ...but a forward without gradients has no backward to reshard it: left gathered, the
     # next forward read the root's parameters of before an optimizer step in between, and an
     # optimizer built after it took the gathered copies (never trained). Resharded after one.
@@ -212,12 +226,36 @@ def _reshard_without_backward(module: nn.Module, args=None, output=None) -> None
         module.reshard()
 
 
+def _shard_versions(unit: FSDPModule) -> tuple:
+    """The version counters of an FSDP2 unit's sharded parameters, each the DTensor's and its
+    local shard's (torch's optimizers step the one, fmoe's the other): host metadata, no sync."""
+    return tuple((fp.sharded_param._version, local_tensor(fp.sharded_param)._version)
+                 for group in _param_groups(unit) for fp in group.fsdp_params)
+
+
+def _note_gathered(module: nn.Module, args=None, output=None) -> None:
+    """After a call with gradients (the root left gathered for its backward): the shards' versions."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        module.gathered_at = _shard_versions(module)
+
+
+def _regather_if_stepped(module: nn.Module, args=None) -> None:
+    """Before a call: a root unit still gathered whose shards changed since (an optimizer step
+    after a forward without its backward) is resharded, so that FSDP2 gathers them anew."""
+    if getattr(module, "keep_gathered", False) or torch.compiler.is_compiling():
+        return
+    if any(group.is_unsharded for group in _param_groups(module)) and getattr(module, "gathered_at", None) != _shard_versions(module):
+        module.reshard()
+
+
 def _resharding(model: nn.Module, method):
     """method (the root's decode or logits, as FSDP2 wraps it), then _reshard_without_backward."""
     @functools.wraps(method)
     def call(*args, **kwargs):
+        _regather_if_stepped(model)
         out = method(*args, **kwargs)
         _reshard_without_backward(model)
+        _note_gathered(model)
         return out
 
     return call
@@ -251,13 +289,18 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
             unit.set_reshard_after_forward(reshard, recurse=False)
 
 
-def _reshards_after_forward(unit: FSDPModule) -> bool:
-    """Whether an FSDP2 unit reshards after forward (FSDP2 exposes the setter only)."""
+def _param_groups(unit: FSDPModule) -> list:
+    """An FSDP2 unit's parameter groups (FSDP2's own state)."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch before 2.13 (2.11: the GPU machines'): one group or none
         groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return any(group.post_forward_mesh_info is not None for group in groups)
+    return groups
+
+
+def _reshards_after_forward(unit: FSDPModule) -> bool:
+    """Whether an FSDP2 unit reshards after forward (FSDP2 exposes the setter only)."""
+    return any(group.post_forward_mesh_info is not None for group in _param_groups(unit))
 
 
 def parallelize(

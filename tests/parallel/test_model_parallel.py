@@ -747,6 +747,42 @@ def _autograd_orders(rank, world):
                              for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
     return out
 
+DROPPED = ("forward", "logits")
+
+
+def _dropped_forward(rank, world):
+    """{how: the largest relative error of the parameters against one process's} after two
+    SGD steps, each after a forward with gradients whose backward never comes (a loss
+    dropped: "forward"; a metric of logits() read with gradients on: "logits"), on a
+    parallelize()d model (FSDP2, each rank the same micro-batch: the gradients are world x
+    one process's)."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
+    batch = _batches(1, mtp_depth=0)[0]
+    out = {}
+    for how in DROPPED:
+        torch.manual_seed(0)
+        ref, model = Transformer(cfg), Transformer(cfg)
+        model.load_state_dict(ref.state_dict())
+        parallelize(model, build_meshes())
+        for m, scale in ((ref, world), (model, 1)):
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            for _ in range(2):
+                (_loss(m, batch, 24, 0)[0] * scale).backward()
+                if how == "forward":
+                    _loss(m, batch, 24, 0)
+                else:
+                    float(m.logits(batch["input_ids"], batch["cu_seqlens"]).float().mean())
+                opt.step()
+                opt.zero_grad()
+        # by state_dict (FSDP2 reshards first): between a forward and its backward parameters() gives the gathered copies
+        theirs = model.state_dict()
+        out[how] = max(float((_full(theirs[name]) - q).abs().max() / q.abs().max().clamp_min(1e-12))
+                       for name, q in ref.state_dict().items() if q.is_floating_point())
+    return out
+
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
     user-Blocks case, the refusals and the failed exports."""
@@ -758,6 +794,7 @@ def _cases(rank, world, names):
         out["failed_export"] = in_own_groups(_failed_export, rank, world)
         out["in_place_owned"], out["in_place_plain"] = (in_own_groups(_in_place_on_unit_outputs, rank, world, plain) for plain in (False, True))
         out["autograd_orders"] = in_own_groups(_autograd_orders, rank, world)
+        out["dropped_forward"] = in_own_groups(_dropped_forward, rank, world)
     return out
 
 
@@ -961,6 +998,18 @@ def test_autograd_orders_of_one_process_give_its_gradients(results, order):
     for rank, by_case in enumerate(results(2)):
         error = by_case["autograd_orders"][order]
         assert not isinstance(error, str) and error < 1e-5, f"rank {rank}: {error}"
+
+
+@pytest.mark.parametrize("how", DROPPED)
+def test_a_forward_without_its_backward_before_a_step_leaves_no_stale_weights(results, how):
+    """The root unit stays gathered after a forward with gradients, for its backward: where
+    none came (a loss dropped, a metric of logits() with gradients on), an optimizer step
+    changed its shards and the next forward ran on the gathered copies of before the step
+    (the parameters 53% off one process's after two steps). The root is gathered anew where
+    its shards changed since the gather."""
+    for rank, by_case in enumerate(results(2)):
+        error = by_case["dropped_forward"][how]
+        assert error < 1e-5, f"rank {rank}: {error}"
 
 
 def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone():
