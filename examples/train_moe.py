@@ -71,7 +71,7 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, batch_layout, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import (OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, saved_config,
+from fmoe.train.run import (NON_FINITE, OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, saved_config,
                             set_deterministic, unshared_dir, write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
@@ -288,6 +288,31 @@ def _schedule_change(out_dir: str, step: int, cfg: Config, schedule: dict) -> ty
     changed = ", ".join(changed)
     return (f"note: step {step + 1} runs at a learning rate of {lr:.4g} by this run's schedule, where the run's own gave {then:.4g}"
             + (f": {changed}" if changed else "") + "; a resumed run follows the schedule of its knobs")
+
+
+# the knobs of what a step trains, which a resumed run takes from its own command line (not from the run's config.json):
+# each one that differs from the run's is named at the resume (a plain --resume of a run started with others trained on
+# the defaults without a word); and the --model.* ones of how it trains (RUN_KNOBS less how it runs and starts)
+TRAINING_KNOBS = ("whole_documents", "tokens_per_micro_batch", "batch_schedule", "mtp_lambda", "seq_aux_coeff", "aux_coeff", "z_coeff",
+                  "bias_rate", "bias_update", "adamw_state_dtype", "ns_dtype", "weight_decay", "decay_embeddings", "clip", "dtype")
+
+
+def _training_changes(out_dir: str, cfg: Config) -> list[str]:
+    """The TRAINING_KNOBS (and the --model.* RUN_KNOBS of how it trains) in which cfg differs from the run's config.json in out_dir, as
+    "--clip=1.0 (was 0.5)"; [] where it holds none to compare with."""
+    was = saved_config(out_dir).get("config")
+    if not isinstance(was, dict):
+        return []
+    model_was = was.get("model") if isinstance(was.get("model"), dict) else {}
+    now = dataclasses.asdict(cfg)
+
+    def differs(then, value) -> bool:
+        then = NON_FINITE.get(then, then) if isinstance(then, str) else then  # config.json's "inf" of a float knob
+        return then != (list(value) if isinstance(value, tuple) else value)
+
+    changed = [f"--{k}={now[k]} (was {was[k]})" for k in TRAINING_KNOBS if k in was and differs(was[k], now[k])]
+    return changed + [f"--model.{k}={now['model'][k]} (was {model_was[k]})" for k in RUN_KNOBS
+                      if k not in ("impl", "ac", "init_std") and k in model_was and differs(model_was[k], now["model"][k])]
 
 
 def _pp_knobs(err: ValueError) -> str:
@@ -756,6 +781,9 @@ def main(argv: list[str]) -> None:
                      "its model: give the --model.* knobs (and --init_from_hf) it was started with, or start a new run from its weights "
                      "with --init_from")
         saved = saved_config(cfg.out_dir).get("config")
+        if isinstance(saved, dict) and (was := saved.get("optimizer", cfg.optimizer)) != cfg.optimizer:  # its state another's entries
+            sys.exit(f"--resume: the run in {cfg.out_dir} trained with --optimizer={was} (here {cfg.optimizer}); a resumed run continues "
+                     "its optimizer state: give the same --optimizer, or start a new run from its weights with --init_from")
         if isinstance(saved, dict) and (was := saved.get("train_only", cfg.train_only)) != cfg.train_only:  # the optimizers' state is its parameters'
             sys.exit(f"--resume: the run in {cfg.out_dir} trained with --train_only={was!r} (here {cfg.train_only!r}); a resumed run "
                      "trains the parameters it did, whose optimizer state its checkpoint holds: give the same --train_only, or start "
@@ -780,6 +808,9 @@ def main(argv: list[str]) -> None:
             print(f"resumed from {path} at step {step}")
             if step < last and (note := _schedule_change(cfg.out_dir, step, cfg, schedule)):
                 print(note, flush=True)
+            if step < last and (changed := _training_changes(cfg.out_dir, cfg)):
+                print(f"note: this resumed run trains with {', '.join(changed)}: a resumed run trains with the knobs given to it, not "
+                      "the run's; give the run's to keep them", flush=True)
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:
             path = checkpoint.load_model(cfg.init_from, model=parts)

@@ -614,7 +614,9 @@ def test_muon_runs(tmp_path):
 def test_muon_keeps_bf16_adamw_states_and_a_resume_runs_at_its_own_lr(tmp_path):
     """--optimizer=muon's AdamW half (embeddings, norms, the head) keeps the moments in --adamw_state_dtype; a resumed
     run steps with its own --lr and --weight_decay, as it logs them, not the checkpoint's param_groups, and may regroup
-    them (--decay_embeddings=false: the embedding and head share the norms' group, saved with another weight decay)."""
+    them (--decay_embeddings=false: the embedding and head share the norms' group, saved with another weight decay). The
+    knobs of what it trains that differ from the run's are named (a plain --resume of a run started with other knobs
+    trained on the defaults without a word); another --optimizer is refused by name (its state is another's)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     flags = ["--steps=4", "--optimizer=muon", "--adamw_state_dtype=bfloat16", "--ckpt_every=2", "--deterministic"]
@@ -627,6 +629,13 @@ def test_muon_keeps_bf16_adamw_states_and_a_resume_runs_at_its_own_lr(tmp_path):
     same = _train(tmp_path / "same", *flags, "--resume")
     higher = _train(tmp_path / "higher", *flags, "--resume", "--lr=0.1", "--min_lr=1e-2", "--weight_decay=0.5", "--decay_embeddings=false")
     assert same.returncode == 0 and higher.returncode == 0, (same.stderr + higher.stderr)[-3000:]
+    assert "note: this resumed run" not in same.stdout
+    assert ("note: this resumed run trains with --weight_decay=0.5 (was 0.1), --decay_embeddings=False (was True): a resumed run "
+            "trains with the knobs given to it, not the run's; give the run's to keep them") in higher.stdout.splitlines(), higher.stdout
+    other = _train(tmp_path / "higher", *flags, "--resume", "--optimizer=adamw", "--steps=8")
+    assert other.returncode == 1 and other.stderr.strip().splitlines()[-1] == (
+        f"--resume: the run in {tmp_path / 'higher'} trained with --optimizer=muon (here adamw); a resumed run continues its optimizer "
+        "state: give the same --optimizer, or start a new run from its weights with --init_from"), other.stderr[-2000:]
     a, b = _records(tmp_path / "same"), _records(tmp_path / "higher")
     assert [r["step"] for r in b] == [1, 2, 3, 4] and b[2]["lr"] == pytest.approx(10 * a[2]["lr"])
     assert b[2]["loss"] == a[2]["loss"]  # step 3's loss is of step 2's weights: the same checkpoint
