@@ -778,7 +778,7 @@ def main(argv: list[str]) -> None:
                      f"a new run from the checkpoint's weights with --init_from={path}")
         if changed:
             sys.exit(f"--resume: the run in {cfg.out_dir} was trained with {checkpoint.knob_list(changed)}; a resumed run continues "
-                     "its model: give the --model.* knobs (and --init_from_hf) it was started with, or start a new run from its weights "
+                     "its model: give the --model.* knobs (and --init_from_hf or --upcycle_from) it was started with, or start a new run from its weights "
                      "with --init_from")
         saved = saved_config(cfg.out_dir).get("config")
         if isinstance(saved, dict) and (was := saved.get("optimizer", cfg.optimizer)) != cfg.optimizer:  # its state another's entries
@@ -800,8 +800,8 @@ def main(argv: list[str]) -> None:
         try:
             sampler.load_state_dict(extra["sampler"])
         except ValueError as err:  # the data, their split or the sampler's seed changed
-            sys.exit(f"--resume: the run in {cfg.out_dir} read other data ({err}); a resumed run continues its data: give the --data, "
-                     "--seed and --val_percent it was started with (and --eval_batches=0 if it was, or not: 0 holds no document out for "
+            sys.exit(f"--resume: the run in {cfg.out_dir} read other data ({err}); a resumed run continues its data: give the --data "
+                     "(and --separator, --data_dtype), --seed and --val_percent it was started with (and --eval_batches=0 if it was, or not: 0 holds no document out for "
                      "validation), or start a new run from its weights with --init_from")
         checkpoint.set_rng_state(extra["rng"])
         if rank == 0:

@@ -282,6 +282,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     run = _train(parts, "--steps=12", "--resume", "--seed=3")
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"--resume: the run in {parts} read other data (state: seed is 0, this sampler has 3)" in run.stderr, run.stderr[-3000:]
+    assert "give the --data (and --separator, --data_dtype), --seed and --val_percent it was started with" in run.stderr
     run = _train(parts, "--steps=12", "--resume", "--eval_batches=0")  # no validation split: other training documents
     assert run.returncode != 0 and "(and --eval_batches=0 if it was, or not: 0 holds no document out for validation)" in run.stderr, \
         run.stderr[-3000:]
@@ -290,7 +291,8 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     run = _train(parts, "--steps=12", "--resume", "--model.zero_experts=2", "--model.route_scale=2.0", "--model.ac=full")
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert (f"--resume: the run in {parts} was trained with route_scale=None (here 2.0), zero_experts=0 (here 2); a resumed run "
-            "continues its model") in run.stderr, run.stderr[-3000:]
+            "continues its model: give the --model.* knobs (and --init_from_hf or --upcycle_from) it was started with") in run.stderr, \
+        run.stderr[-3000:]
     run = _train(tmp_path / "other", "--steps=12", f"--init_from={parts}", "--model.zero_experts=2")
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert "--init_from: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
