@@ -859,7 +859,10 @@ def main(argv: list[str]) -> None:
                       "at first (one run dropped 69% of the slots at step 1); train without a capacity until the loads even out",
                       flush=True)
         del dense_state
-    # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
+    if profile_steps is not None and profile_steps[1] <= step < last:  # a resumed run: those steps were run before it
+        sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
+    # records are logged for completed steps step+1, step+2, ...: keep the ones up to step (after the refusals: a refused
+    # resume leaves metrics.jsonl as it was)
     try:
         logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1, tensorboard=cfg.tensorboard)
     except ImportError as err:
@@ -875,8 +878,6 @@ def main(argv: list[str]) -> None:
     energy = metrics.EnergyMeter(device)
     if meshes is not None:  # every rank's device summed, or none: each reading is then a collective of every rank
         energy.agree(dist.group.WORLD, device)
-    if profile_steps is not None and profile_steps[1] <= step < last:  # a resumed run: those steps were run before it
-        sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
         n_active = metrics.active_parameters(whole)  # zero experts: at most

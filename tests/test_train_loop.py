@@ -408,10 +408,15 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
     phases = sorted(n for n in names if n.startswith("fmoe."))  # 2 micro-batches a step in one range; eval and checkpoint at step 3
     assert phases == ["fmoe.checkpoint", "fmoe.eval"] + ["fmoe.forward_backward"] * 2 + ["fmoe.optimizer"] * 2
     assert "aten::mm" in names and "aten::mm" in ops.read_text()
-    # resumed from step 4's checkpoint to run on, steps 2:3 were run before it: said, not a run that traces nothing
+    # resumed from step 4's checkpoint to run on, steps 2:3 were run before it: said, not a run that traces nothing; the
+    # refusal leaves metrics.jsonl as it was (a record past the checkpoint, of a run stopped after it, was cut out)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({**_records(tmp_path)[-1], "step": 5}) + "\n")
+    log = (tmp_path / "metrics.jsonl").read_bytes()
     again = _train(tmp_path, "--steps=6", "--profile=2:3", "--eval_every=3", "--ckpt_every=3", "--resume")
     assert again.returncode != 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert "--profile: steps 2:3 were run before this resume (from step 4); profile steps after it" in again.stderr
+    assert (tmp_path / "metrics.jsonl").read_bytes() == log
 
 
 def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path):
