@@ -705,6 +705,20 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol, gathered_too=True):
                 gathers=(len(gathers), len(kept_gathers), len(resharded_gathers)))
 
 
+def _one_and_fsdp():
+    """(one process's model, the same weights parallelize()d with FSDP2 over every rank) of
+    TINY without MTP, and a micro-batch (24 tokens) for both."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
+    torch.manual_seed(0)
+    ref, model = Transformer(cfg), Transformer(cfg)
+    model.load_state_dict(ref.state_dict())
+    parallelize(model, build_meshes())
+    return ref, model, _batches(1, mtp_depth=0)[0]
+
+
 ORDERS = ("retain_graph_twice", "no_grad_forward_before_backward", "second_graph_first")
 
 
@@ -714,17 +728,9 @@ def _autograd_orders(rank, world):
     rank, each rank the same micro-batch: the gradients are world x one process's): two
     backwards of a retained graph, a forward without gradients (an evaluation) between a
     forward and its backward, and two graphs' backwards, the second's first."""
-    from fmoe.model import Transformer, TransformerConfig
-    from fmoe.parallel import build_meshes, parallelize
-
-    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
-    batch = _batches(1, mtp_depth=0)[0]
     out = {}
     for order in ORDERS:
-        torch.manual_seed(0)
-        ref, model = Transformer(cfg), Transformer(cfg)
-        model.load_state_dict(ref.state_dict())
-        parallelize(model, build_meshes())
+        ref, model, batch = _one_and_fsdp()
         for m, scale in ((ref, world), (model, 1)):
             loss = _loss(m, batch, 24, 0)[0] * scale
             try:
@@ -747,6 +753,7 @@ def _autograd_orders(rank, world):
                              for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
     return out
 
+
 DROPPED = ("forward", "logits")
 
 
@@ -756,17 +763,9 @@ def _dropped_forward(rank, world):
     dropped: "forward"; a metric of logits() read with gradients on: "logits"), on a
     parallelize()d model (FSDP2, each rank the same micro-batch: the gradients are world x
     one process's)."""
-    from fmoe.model import Transformer, TransformerConfig
-    from fmoe.parallel import build_meshes, parallelize
-
-    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
-    batch = _batches(1, mtp_depth=0)[0]
     out = {}
     for how in DROPPED:
-        torch.manual_seed(0)
-        ref, model = Transformer(cfg), Transformer(cfg)
-        model.load_state_dict(ref.state_dict())
-        parallelize(model, build_meshes())
+        ref, model, batch = _one_and_fsdp()
         for m, scale in ((ref, world), (model, 1)):
             opt = torch.optim.SGD(m.parameters(), lr=0.5)
             for _ in range(2):
