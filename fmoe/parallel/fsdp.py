@@ -23,8 +23,9 @@ FSDP2. FSDP units, innermost first:
                   TensorDicts' tensors its forward returns (FSDP2 hooks only plain
                   containers'), so that any order of backwards one process runs gathers it
                   again; a forward whose backward never comes (a dropped loss) leaves it
-                  gathered, and the next call gathers it anew where an optimizer step changed
-                  its shards since. parameters() gives the gathered copies meanwhile;
+                  gathered until the next step of an optimizer of its parameters, which
+                  reshards it (torch.optim's global step pre-hook, once per call with
+                  gradients). parameters() gives the gathered copies meanwhile;
                   state_dict() (and fmoe.train.checkpoint) reshards first.
 
 Every unit is sharded by shard_unit, which first hooks its forward to pass on an output
@@ -48,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -56,10 +58,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fmoe.layers import EXPERT_BIASES
 from fmoe.model import Block, HyperConnection, MoE, ResidualGate, Transformer
-from fmoe.ops.backend import local_tensor
 from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -176,9 +178,8 @@ def apply_fsdp(
     # ...and gathered after a forward with gradients whose backward never came (a loss dropped: a
     # skipped micro-batch, a metric of logits() read with gradients on): an optimizer step then
     # changed the shards, and the next forward ran on the gathered copies of before it.
-    # Regathered where the shards changed since the gather (their version counters)
-    model.register_forward_pre_hook(_regather_if_stepped, prepend=True)
-    model.register_forward_hook(_note_gathered)
+    # Resharded at the next step of an optimizer of its parameters, where still gathered
+    model.register_forward_hook(_reshard_before_a_step)
     # ...but a forward without gradients has no backward to reshard it: left gathered, the
     # next forward read the root's parameters of before an optimizer step in between, and an
     # optimizer built after it took the gathered copies (never trained). Resharded after one.
@@ -226,36 +227,40 @@ def _reshard_without_backward(module: nn.Module, args=None, output=None) -> None
         module.reshard()
 
 
-def _shard_versions(unit: FSDPModule) -> tuple:
-    """The version counters of an FSDP2 unit's sharded parameters, each the DTensor's and its
-    local shard's (torch's optimizers step the one, fmoe's the other): host metadata, no sync."""
-    return tuple((fp.sharded_param._version, local_tensor(fp.sharded_param)._version)
-                 for group in _param_groups(unit) for fp in group.fsdp_params)
-
-
-def _note_gathered(module: nn.Module, args=None, output=None) -> None:
-    """After a call with gradients (the root left gathered for its backward): the shards' versions."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        module.gathered_at = _shard_versions(module)
-
-
-def _regather_if_stepped(module: nn.Module, args=None) -> None:
-    """Before a call: a root unit still gathered whose shards changed since (an optimizer step
-    after a forward without its backward) is resharded, so that FSDP2 gathers them anew."""
-    if getattr(module, "keep_gathered", False) or torch.compiler.is_compiling():
+def _reshard_before_a_step(module: nn.Module, args=None, output=None) -> None:
+    """After a call with gradients, which leaves the root unit gathered for its backward: a
+    hook on the next step of an optimizer of the root's parameters (torch.optim's global step
+    pre-hook, removed there) reshards the root where it is still gathered then (the backward
+    never came), so that the next call gathers the stepped shards. One hook at a time; none
+    under torch.compile."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or getattr(module, "step_hook", None) is not None:
         return
-    if any(group.is_unsharded for group in _param_groups(module)) and getattr(module, "gathered_at", None) != _shard_versions(module):
-        module.reshard()
+    root_ref = weakref.ref(module)
+
+    def before_step(optimizer, args, kwargs) -> None:
+        root = root_ref()
+        if root is None:  # the model is gone
+            handle.remove()
+            return
+        shards = {id(fp.sharded_param) for group in _param_groups(root) for fp in group.fsdp_params}
+        if not any(id(p) in shards for group in optimizer.param_groups for p in group["params"]):
+            return  # another optimizer (Muon's matrices, another model's): the hook waits for the root's
+        handle.remove()
+        root.step_hook = None
+        if not getattr(root, "keep_gathered", False) and any(group.is_unsharded for group in _param_groups(root)):
+            root.reshard()
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    module.step_hook = handle
 
 
 def _resharding(model: nn.Module, method):
     """method (the root's decode or logits, as FSDP2 wraps it), then _reshard_without_backward."""
     @functools.wraps(method)
     def call(*args, **kwargs):
-        _regather_if_stepped(model)
         out = method(*args, **kwargs)
         _reshard_without_backward(model)
-        _note_gathered(model)
+        _reshard_before_a_step(model)
         return out
 
     return call

@@ -754,23 +754,25 @@ def _autograd_orders(rank, world):
     return out
 
 
-DROPPED = ("forward", "logits")
+DROPPED = ("forward", "logits", "foreach_adamw")
 
 
 def _dropped_forward(rank, world):
     """{how: the largest relative error of the parameters against one process's} after two
-    SGD steps, each after a forward with gradients whose backward never comes (a loss
-    dropped: "forward"; a metric of logits() read with gradients on: "logits"), on a
+    optimizer steps, each after a forward with gradients whose backward never comes (a loss
+    dropped, by SGD: "forward", by torch's AdamW with foreach=True, CUDA's default, which
+    bumps no version counter: "foreach_adamw"; a metric of logits() read with gradients on:
+    "logits"), on a
     parallelize()d model (FSDP2, each rank the same micro-batch: the gradients are world x
     one process's)."""
     out = {}
     for how in DROPPED:
         ref, model, batch = _one_and_fsdp()
         for m, scale in ((ref, world), (model, 1)):
-            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True) if how == "foreach_adamw" else torch.optim.SGD(m.parameters(), lr=0.5)
             for _ in range(2):
                 (_loss(m, batch, 24, 0)[0] * scale).backward()
-                if how == "forward":
+                if how != "logits":
                     _loss(m, batch, 24, 0)
                 else:
                     float(m.logits(batch["input_ids"], batch["cu_seqlens"]).float().mean())
