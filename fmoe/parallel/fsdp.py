@@ -23,9 +23,9 @@ FSDP2. FSDP units, innermost first:
                   TensorDicts' tensors its forward returns (FSDP2 hooks only plain
                   containers'), so that any order of backwards one process runs gathers it
                   again; a forward whose backward never comes (a dropped loss) leaves it
-                  gathered until the next step of an optimizer of its parameters, which
-                  reshards it (torch.optim's global step pre-hook, once per call with
-                  gradients). parameters() gives the gathered copies meanwhile;
+                  gathered until a step of an optimizer of its parameters, which reshards it
+                  (a torch.optim global step pre-hook per model; an update by hand, outside
+                  an optimizer's step, does not). parameters() gives the gathered copies meanwhile;
                   state_dict() (and fmoe.train.checkpoint) reshards first.
 
 Every unit is sharded by shard_unit, which first hooks its forward to pass on an output
@@ -178,8 +178,8 @@ def apply_fsdp(
     # ...and gathered after a forward with gradients whose backward never came (a loss dropped: a
     # skipped micro-batch, a metric of logits() read with gradients on): an optimizer step then
     # changed the shards, and the next forward ran on the gathered copies of before it.
-    # Resharded at the next step of an optimizer of its parameters, where still gathered
-    model.register_forward_hook(_reshard_before_a_step)
+    # Resharded at a step of an optimizer of its parameters, where still gathered
+    model.step_hook = register_optimizer_step_pre_hook(_resharding_before_steps(model))
     # ...but a forward without gradients has no backward to reshard it: left gathered, the
     # next forward read the root's parameters of before an optimizer step in between, and an
     # optimizer built after it took the gathered copies (never trained). Resharded after one.
@@ -227,31 +227,24 @@ def _reshard_without_backward(module: nn.Module, args=None, output=None) -> None
         module.reshard()
 
 
-def _reshard_before_a_step(module: nn.Module, args=None, output=None) -> None:
-    """After a call with gradients, which leaves the root unit gathered for its backward: a
-    hook on the next step of an optimizer of the root's parameters (torch.optim's global step
-    pre-hook, removed there) reshards the root where it is still gathered then (the backward
-    never came), so that the next call gathers the stepped shards. One hook at a time; none
-    under torch.compile."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or getattr(module, "step_hook", None) is not None:
-        return
-    root_ref = weakref.ref(module)
+def _resharding_before_steps(root: nn.Module):
+    """A hook for torch.optim's global step pre-hooks (registered once per root unit, never
+    removed while torch runs them: that raised "OrderedDict mutated during iteration"): before
+    a step of an optimizer of the root's parameters, the root is resharded where it is still
+    gathered (a call with gradients whose backward never came; not inside gathered()), so that
+    the next call gathers the stepped shards. A normal step finds it resharded by its backward
+    and reads nothing more. Holds the root weakly: a dead model's hook does nothing."""
+    root_ref = weakref.ref(root)
 
     def before_step(optimizer, args, kwargs) -> None:
-        root = root_ref()
-        if root is None:  # the model is gone
-            handle.remove()
+        unit = root_ref()
+        if unit is None or getattr(unit, "keep_gathered", False) or not any(group.is_unsharded for group in _param_groups(unit)):
             return
-        shards = {id(fp.sharded_param) for group in _param_groups(root) for fp in group.fsdp_params}
-        if not any(id(p) in shards for group in optimizer.param_groups for p in group["params"]):
-            return  # another optimizer (Muon's matrices, another model's): the hook waits for the root's
-        handle.remove()
-        root.step_hook = None
-        if not getattr(root, "keep_gathered", False) and any(group.is_unsharded for group in _param_groups(root)):
-            root.reshard()
+        shards = {id(fp.sharded_param) for group in _param_groups(unit) for fp in group.fsdp_params}
+        if any(id(p) in shards for group in optimizer.param_groups for p in group["params"]):  # not another model's optimizer
+            unit.reshard()
 
-    handle = register_optimizer_step_pre_hook(before_step)
-    module.step_hook = handle
+    return before_step
 
 
 def _resharding(model: nn.Module, method):
@@ -260,7 +253,6 @@ def _resharding(model: nn.Module, method):
     def call(*args, **kwargs):
         out = method(*args, **kwargs)
         _reshard_without_backward(model)
-        _reshard_before_a_step(model)
         return out
 
     return call
