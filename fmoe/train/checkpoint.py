@@ -768,15 +768,16 @@ def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) ->
     if missing and not any(key.startswith("optim.") for key in stored):
         raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no optimizer state (saved with optimizers=[]): load it with "
                          "optimizers=[], or load_model for the weights alone")
+    if not missing:
+        return
     more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
     saved_params = {key[len("optim.param_groups."):].rpartition(".")[0] for key in stored if key.startswith("optim.param_groups.")}
-    if missing and all(name.startswith("param_groups.") and name[len("param_groups."):].rpartition(".")[0] not in saved_params
-                       for name in missing):  # parameters without a knob saved (another kind of optimizer lacks some knobs only)
+    if all(name.startswith("param_groups.") and name[len("param_groups."):].rpartition(".")[0] not in saved_params
+           for name in missing):  # parameters without a knob saved (another kind of optimizer lacks some knobs only)
         raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no {', '.join(missing[:4])}{more}: these parameters were in "
                          "no optimizer when it was saved (frozen then?); load with knobs='held' to keep these groups' own knobs")
-    if missing:
-        raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no {', '.join(missing[:4])}{more}: these optimizers differ from "
-                         "the saving run's (another kind, or other settings); load with the kind it saved, or load_model for the weights alone")
+    raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no {', '.join(missing[:4])}{more}: these optimizers differ from "
+                     "the saving run's (another kind, or other settings); load with the kind it saved, or load_model for the weights alone")
 
 
 def _read_agreed(path, *, extra: bool, holds: ExitStack) -> tuple[Path, Mapping, Optional[dict]]:

@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from fmoe.ops import load_stats
-from fmoe.ops.checks import check_cu_seqlens, check_positive_int
+from fmoe.ops.checks import check_cu_seqlens, check_path, check_positive_int
 from fmoe.train.run import refuse_link
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
@@ -839,9 +839,7 @@ def read_metrics_lines(path) -> list[str]:
     """The record lines of a metrics.jsonl: JSON objects with an int "step" (a torn last line
     of a killed run, or any other line, one not UTF-8 included, is left out); [] when the file
     does not exist. path: a str or os.PathLike, not a directory (ValueError)."""
-    if not isinstance(path, (str, os.PathLike)):  # None: Path's TypeError
-        raise ValueError(f"path: expected the path of a metrics.jsonl (a str or os.PathLike), got {type(path).__name__}")
-    path = Path(path)
+    path = Path(check_path("path", path, "the path of a metrics.jsonl"))  # None: Path's TypeError
     if path.is_dir():  # IsADirectoryError before
         raise ValueError(f"path: expected the path of a metrics.jsonl, got the directory {str(path)!r} (its metrics.jsonl: {str(path / 'metrics.jsonl')!r})")
     if not path.exists():

@@ -1455,6 +1455,6 @@ def test_logger_takes_int_steps_and_read_metrics_a_file(tmp_path):
     assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]  # a refused logger rewrote nothing
     with pytest.raises(ValueError, match="^path: expected the path of a metrics.jsonl, got the directory"):
         M.read_metrics(tmp_path)
-    with pytest.raises(ValueError, match=r"^path: expected the path of a metrics.jsonl \(a str or os.PathLike\), got NoneType"):
+    with pytest.raises(ValueError, match=r"^path: expected the path of a metrics.jsonl \(str or os.PathLike\), got NoneType"):
         M.read_metrics(None)
     assert M.read_metrics(str(tmp_path / "none.jsonl")) == []
