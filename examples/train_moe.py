@@ -297,10 +297,9 @@ TRAINING_KNOBS = ("whole_documents", "tokens_per_micro_batch", "batch_schedule",
                   "bias_rate", "bias_update", "adamw_state_dtype", "ns_dtype", "weight_decay", "decay_embeddings", "clip", "dtype")
 
 
-def _training_changes(out_dir: str, cfg: Config) -> list[str]:
-    """The TRAINING_KNOBS (and the --model.* RUN_KNOBS of how it trains) in which cfg differs from the run's config.json in out_dir, as
-    "--clip=1.0 (was 0.5)"; [] where it holds none to compare with."""
-    was = saved_config(out_dir).get("config")
+def _training_changes(was, cfg: Config) -> list[str]:
+    """The TRAINING_KNOBS (and the --model.* RUN_KNOBS of how it trains) in which cfg differs from `was`, the knobs in the
+    run's config.json ("config"), as "--clip=1.0 (was 0.5)"; [] where it holds none to compare with."""
     if not isinstance(was, dict):
         return []
     model_was = was.get("model") if isinstance(was.get("model"), dict) else {}
@@ -808,7 +807,7 @@ def main(argv: list[str]) -> None:
             print(f"resumed from {path} at step {step}")
             if step < last and (note := _schedule_change(cfg.out_dir, step, cfg, schedule)):
                 print(note, flush=True)
-            if step < last and (changed := _training_changes(cfg.out_dir, cfg)):
+            if step < last and (changed := _training_changes(saved, cfg)):
                 print(f"note: this resumed run trains with {', '.join(changed)}: a resumed run trains with the knobs given to it, not "
                       "the run's; give the run's to keep them", flush=True)
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
