@@ -5,6 +5,7 @@ import csv
 import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import subprocess
@@ -657,9 +658,13 @@ def test_a_lease_part_stops_starting_steps_at_its_budget(tmp_path):
     assert any(c.startswith("python3 -m pytest -q -m gpu -n 6") for c in made)
     stdout, made = run("v", 15)  # the budget spent: the gpu tests get 15 s, no benchmark starts
     assert not [c for c in made if "benchmarks/run_all.py" in c] and any(c.startswith("python3 -m pytest") for c in made)
-    assert stdout.count("not run, 15 s left of the part's 15 s") == 3
+    # the script counts whole seconds ($SECONDS), so a tick between its start and a step takes
+    # a second off what is left: a loaded machine gave 99 for 100 (a CI run failed on it)
+    left = [int(n) for n in re.findall(r"not run, (\d+) s left of the part's 15 s", stdout)]
+    assert len(left) == 3 and all(10 <= n <= 15 for n in left), stdout
     _, made = run("a", 100)  # part a's limits cut: 100 s for the tests, then what is left
-    assert [c.split("--timeout ")[1].split()[0] for c in made if "benchmarks/run_all.py" in c] == ["60", "100", "60", "90"]
+    limits = [int(c.split("--timeout ")[1].split()[0]) for c in made if "benchmarks/run_all.py" in c]
+    assert len(limits) == 4 and [limits[0], limits[2], limits[3]] == [60, 60, 90] and 95 <= limits[1] <= 100, limits
 
 
 def test_run_all_s_smoke_results_stay_out_of_the_record():
