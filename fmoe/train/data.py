@@ -252,14 +252,16 @@ class TokenDataset:
         return int(self.doc_lens.sum())
 
     def doc_len(self, i: int) -> int:
-        return int(self.doc_lens[i])
+        """Tokens in document i (EOS included); i in 0..len - 1, else a ValueError (-1 read
+        the last document's)."""
+        return int(self.doc_lens[_int_arg("i", i, 0, len(self) - 1)])
 
     def _checked_span(self, i, begin, end) -> tuple[int, int, int]:
         """(i, begin, end) as ints, checked: a document of the dataset, 0 <= begin <= end <=
         its doc_len (end None: doc_len). A negative begin read the document before's tokens,
         an end past doc_len other lengths of the tokens and the mask, without a word."""
         i = _int_arg("i", i, 0, len(self) - 1)
-        n = self.doc_len(i)
+        n = int(self.doc_lens[i])
         begin = _int_arg("begin", begin, 0, n)
         return i, begin, n if end is None else _int_arg("end", end, begin, n)
 

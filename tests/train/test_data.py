@@ -115,7 +115,7 @@ def test_a_document_span_outside_the_document_is_refused_by_name():
     """document(i, begin, end) read the document before's tokens for a negative begin, gave
     tokens and mask of other lengths for an end past the document, a document from the end
     for a negative i, and numpy's or torch's errors otherwise; make_batch named a numpy mask's
-    shape as what was wrong."""
+    shape as what was wrong. doc_len(i) checks i the same way."""
     ds = TokenDataset(np.arange(20, dtype=np.int64), np.array([0, 10]), np.array([10, 10]), None, vocab_size=100, eos=99)
     assert ds.document(1, 2).tolist() == [12, 13, 14, 15, 16, 17, 18, 19, 99] and ds.document_mask(1, 2, 11).shape == (9,)
     assert ds.document(1, 11).tolist() == [] and ds.document(np.int64(0), 0, 1).tolist() == [0]
@@ -126,6 +126,10 @@ def test_a_document_span_outside_the_document_is_refused_by_name():
         for read in (ds.document, ds.document_mask):
             with pytest.raises(ValueError, match=match):
                 read(*args)
+    assert [ds.doc_len(0), ds.doc_len(np.int64(1))] == [11, 11]
+    for i in (-1, 2):  # doc_len(-1) gave the last document's length
+        with pytest.raises(ValueError, match=rf"^i: expected 0..1, got {i}$"):
+            ds.doc_len(i)
     with pytest.raises(ValueError, match=r"^token_mask: expected a tensor of input_ids' shape \(10,\), got ndarray$"):
         make_batch(torch.arange(10), torch.tensor([0, 10]), token_mask=np.ones(10, dtype=bool))
 
