@@ -52,6 +52,7 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import textwrap
 import time
@@ -295,6 +296,15 @@ def _schedule_change(out_dir: str, step: int, cfg: Config, schedule: dict) -> ty
 # the defaults without a word); and the --model.* ones of how it trains (RUN_KNOBS less how it runs and starts)
 TRAINING_KNOBS = ("whole_documents", "tokens_per_micro_batch", "batch_schedule", "mtp_lambda", "seq_aux_coeff", "aux_coeff", "z_coeff",
                   "bias_rate", "bias_update", "adamw_state_dtype", "ns_dtype", "weight_decay", "decay_embeddings", "clip", "dtype")
+
+
+def _trains(names: list[str], train_only) -> set[str]:
+    """The parameter names (of the model's trainable `names`) a --train_only regex trains:
+    all for "", none for a value that is no regex (a config.json edited by hand)."""
+    try:
+        return {n for n in names if re.search(train_only, n)} if train_only else set(names)
+    except (re.error, TypeError):
+        return set()
 
 
 def _training_changes(was, cfg: Config) -> list[str]:
@@ -662,6 +672,7 @@ def main(argv: list[str]) -> None:
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())
+    trainable = [name for name, p in whole.named_parameters() if p.requires_grad]  # before --train_only freezes some
     n_moa = len(whole.moa_attentions())  # a mixture of attention heads: its routers' balance loss, averaged over them
     trained_names = None  # --train_only: a regex naming some of the model's parameters
     if cfg.train_only:
@@ -749,9 +760,10 @@ def main(argv: list[str]) -> None:
         sys.exit(f"schedule knobs (--steps, --warmup, --lr, --min_lr, --init_lr, --lr_style, --wsd_decay, --wsd_style, --batch_schedule): {err}")
 
     step, tokens_seen = 0, 0
-    # a resumed run: rank 0 removes the .tmp folders of saves a stop interrupted (no save is in flight yet)
-    partial = sorted(p.name for p in Path(cfg.out_dir).glob("step_*.tmp")) if cfg.resume else []  # interrupted saves, removed
-    path = checkpoint.latest(cfg.out_dir, delete_partial=rank == 0) if cfg.resume else None
+    # a resumed run: rank 0 removes the .tmp folders of saves a stop interrupted once the resume is taken (after its
+    # refusals: a refused resume leaves out_dir as it was), before the first collective of the run (no save is in flight yet)
+    partial = sorted(p.name for p in Path(cfg.out_dir).glob("step_*.tmp")) if cfg.resume else []  # interrupted saves
+    path = checkpoint.latest(cfg.out_dir) if cfg.resume else None
     if cfg.resume and (refusal := every_rank(None, None if path is None else str(path), lambda found: (  # each rank listed out_dir
             f"--resume: the ranks found different newest checkpoints in {cfg.out_dir} ("
             + ", ".join(f"rank {r}: {Path(p).name if p else 'none'}" for r, p in enumerate(found)) + "); every rank must see the same files"))[0]):
@@ -783,7 +795,8 @@ def main(argv: list[str]) -> None:
         if isinstance(saved, dict) and (was := saved.get("optimizer", cfg.optimizer)) != cfg.optimizer:  # its state another's entries
             sys.exit(f"--resume: the run in {cfg.out_dir} trained with --optimizer={was} (here {cfg.optimizer}); a resumed run continues "
                      "its optimizer state: give the same --optimizer, or start a new run from its weights with --init_from")
-        if isinstance(saved, dict) and (was := saved.get("train_only", cfg.train_only)) != cfg.train_only:  # the optimizers' state is its parameters'
+        if isinstance(saved, dict) and _trains(trainable, was := saved.get("train_only", cfg.train_only)) != _trains(trainable, cfg.train_only):
+            # the optimizers' state is its parameters': another regex that names the same ones resumes
             sys.exit(f"--resume: the run in {cfg.out_dir} trained with --train_only={was!r} (here {cfg.train_only!r}); a resumed run "
                      "trains the parameters it did, whose optimizer state its checkpoint holds: give the same --train_only, or start "
                      "a new run from its weights with --init_from")
@@ -862,10 +875,15 @@ def main(argv: list[str]) -> None:
         sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step (after the refusals: a refused
     # resume leaves metrics.jsonl as it was)
+    # resume with nothing to train (--steps at the checkpoint): no logger, so the records of the steps past it stay
     try:
-        logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1, tensorboard=cfg.tensorboard)
+        logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1,
+                                       tensorboard=cfg.tensorboard) if step < last else None
     except ImportError as err:
         sys.exit(f"--tensorboard: {err}")
+    if rank == 0:  # the resume is taken: the interrupted saves go (the run's next collective, every_rank below, comes after)
+        for name in partial:
+            shutil.rmtree(Path(cfg.out_dir) / name, ignore_errors=True)
     peak = metrics.peak_flops(device)
     # run health at start: this rank's theoretical memory (parameters, gradients, optimizer
     # states; activations come on top) and whether energy can be read (NVML, CUDA only)
@@ -1258,7 +1276,8 @@ def main(argv: list[str]) -> None:
                           f"{step}; --resume continues the run", flush=True)
                 break
     _report_profile(profiler.close(), rank)  # the run ended inside the profiled steps
-    logger.close()
+    if logger is not None:
+        logger.close()
     # a stopped run (a signal, the time limit, or --stop_at before --steps) is not done: --resume continues it
     ended = "stopped" if record is not None and (stopping or step < cfg.steps) else "done"
     if rank == 0 and record is None:

@@ -164,19 +164,29 @@ def test_a_resume_passes_over_a_half_copied_checkpoint_and_needs_the_run_s_confi
 
 
 def test_a_resume_with_another_train_only_names_it(tmp_path):
-    """--resume with a --train_only other than the run's (or none): refused naming the knob and
-    the run's value (it failed in the optimizers' load, naming 200 of their state entries and
-    a Python function); the same one resumes."""
+    """--resume with a --train_only that trains other parameters than the run's (or none):
+    refused naming the knob and the run's value (it failed in the optimizers' load, naming 200
+    of their state entries and a Python function); another regex of the same parameters
+    resumes (the strings were compared). A refused resume leaves the .tmp folder of an
+    interrupted save (it was removed before the refusal); a taken one removes it. A resume
+    with nothing to train keeps the records past its checkpoint (they were cut)."""
     first = _train(tmp_path, "--steps=3", "--stop_at=2", "--ckpt_every=2", "--train_only=blocks[.]1[.]")
     assert first.returncode == 0, first.stderr[-2000:]
+    (tmp_path / "step_000003.tmp").mkdir()
     for extra, here in (([], ""), (["--train_only=blocks"], "blocks")):
         run = _train(tmp_path, "--steps=3", "--resume", *extra)
         assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
             f"--resume: the run in {tmp_path} trained with --train_only='blocks[.]1[.]' (here {here!r}); a resumed run trains the "
             "parameters it did, whose optimizer state its checkpoint holds: give the same --train_only, or start a new run from its "
             "weights with --init_from"), run.stderr[-2000:]
-    run = _train(tmp_path, "--steps=3", "--resume", "--train_only=blocks[.]1[.]")
+        assert (tmp_path / "step_000003.tmp").is_dir()
+    run = _train(tmp_path, "--steps=3", "--resume", r"--train_only=blocks\.1\.")
     assert run.returncode == 0 and [r["step"] for r in _records(tmp_path)] == [1, 2, 3], run.stderr[-2000:]
+    assert not (tmp_path / "step_000003.tmp").exists() and "resumed from" in run.stdout
+    shutil.rmtree(tmp_path / "step_000003", ignore_errors=True)  # the newest checkpoint is step 2's again
+    done = _train(tmp_path, "--steps=2", "--warmup=0", "--resume", "--train_only=blocks[.]1[.]")
+    assert done.returncode == 0 and "nothing to train up to step 2" in done.stdout, done.stderr[-2000:]
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
 
 
 def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):
