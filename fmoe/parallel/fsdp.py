@@ -19,19 +19,21 @@ FSDP2. FSDP units, innermost first:
     ResidualGate  (residual gates') over the dense data mesh, never cast: float32 like the router
     each Block    over the dense data mesh (attention, norms, dense MLP)
     the model     embedding, head, final norm, MTP projections: gathered from its forward
-                  to its backward (torchtitan's root), its pre-backward hooked on the
-                  TensorDicts' tensors its forward returns (FSDP2 hooks only plain
-                  containers'), so that any order of backwards one process runs gathers it
-                  again; a forward whose backward never comes (a dropped loss) leaves it
-                  gathered until a step of an optimizer of its parameters, which reshards it
-                  (a torch.optim global step pre-hook per model; an update by hand, outside
-                  an optimizer's step, does not). parameters() gives the gathered copies meanwhile;
+                  to its backward (torchtitan's root); a forward whose backward never
+                  comes (a dropped loss) leaves it gathered until a step of an optimizer
+                  of its parameters, which reshards it (a torch.optim global step
+                  pre-hook per model; an update by hand, outside an optimizer's step,
+                  does not). parameters() gives the gathered copies meanwhile;
                   state_dict() (and fmoe.train.checkpoint) reshards first.
 
 Every unit is sharded by shard_unit, which first hooks its forward to pass on an output
 that is an autograd view (DTensor's to_local at the edges of a tensor-parallel region, a
 reshape) as a tensor of its own, with no copy: FSDP2's pre-backward hook on a view is lost to
 any in-place op on it (and FSDP2 warns of every such output); on a tensor of its own it stays.
+It also hooks the unit's pre-backward on the tensors of the TensorDicts it returns (the
+model's outputs, a MoE layer's stats), as FSDP2 does on plain containers' (tuples, lists,
+dicts), so that any order of backwards one process runs gathers a resharded unit again: a
+backward after the root was resharded, a loss of a MoE layer's stats alone.
 
 No unit casts its forward inputs (cast_forward_inputs=False): the model's only inputs are
 token ids, every activation already comes out of a param_dtype computation, and the
@@ -143,9 +145,13 @@ def _owned(out):
 def shard_unit(module: nn.Module, **kwargs) -> nn.Module:
     """fully_shard(module, **kwargs), after a forward hook that passes on each output that is
     an autograd view as a tensor of its own (module docstring). The hook runs after the
-    module's earlier forward hooks (a tensor-parallel region's) and before FSDP2's."""
+    module's earlier forward hooks (a tensor-parallel region's) and before FSDP2's; a hook
+    after FSDP2's hooks its pre-backward on the tensors of the TensorDicts the unit returns
+    (_regather_for_backward)."""
     module.register_forward_hook(lambda m, args, out: _owned(out))
-    return fully_shard(module, **kwargs)
+    fully_shard(module, **kwargs)
+    module.register_forward_hook(_regather_for_backward)
+    return module
 
 
 def apply_fsdp(
@@ -168,13 +174,9 @@ def apply_fsdp(
     for module in model.modules():
         if isinstance(module, Block):
             shard_unit(module, mesh=dense, mp_policy=mp, **kw)
-    # the root stays gathered until backward, as torchtitan's (its backward begins at once)
+    # the root stays gathered until backward, as torchtitan's (its backward begins at once);
+    # its pre-backward is hooked on the TensorDicts' tensors its forward returns (shard_unit)
     shard_unit(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
-    # its forward returns TensorDicts, which FSDP2 does not look into for the tensors to hook
-    # its pre-backward on: without them, a backward after the root was resharded (a second
-    # backward of a retained graph, the first of two graphs after the second, a backward after
-    # an evaluation forward without gradients in between) read its freed parameters
-    model.register_forward_hook(_regather_for_backward)
     # ...and gathered after a forward with gradients whose backward never came (a loss dropped: a
     # skipped micro-batch, a metric of logits() read with gradients on): an optimizer step then
     # changed the shards, and the next forward ran on the gathered copies of before it.
@@ -199,9 +201,14 @@ def apply_fsdp(
 
 
 def _regather_for_backward(module: nn.Module, args, output) -> None:
-    """Hook the root unit's pre-backward (which gathers its parameters again where they were
+    """Hook a unit's pre-backward (which gathers its parameters again where they were
     resharded) on the tensors of the TensorDicts its forward returns, as FSDP2 hooks it on
-    the tensors of plain containers (tuples, lists, dicts: those it hooks itself). Not under
+    the tensors of plain containers (tuples, lists, dicts: those it hooks itself). Without
+    it, a backward that reached a unit only through them read its freed parameters: the
+    root's after it was resharded (a second backward of a retained graph, the first of two
+    graphs after the second, a backward after an evaluation forward without gradients in
+    between), a MoE unit's router through its stats (a z-loss's backward of its own). A
+    unit's pre-backward does nothing when called again in the same backward. Not under
     torch.compile: the compiled graphs stay as they were (as _owned leaves them)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return

@@ -719,21 +719,31 @@ def _one_and_fsdp():
     return ref, model, _batches(1, mtp_depth=0)[0]
 
 
-ORDERS = ("retain_graph_twice", "no_grad_forward_before_backward", "second_graph_first")
+ORDERS = ("retain_graph_twice", "no_grad_forward_before_backward", "second_graph_first", "stats_loss_alone", "lm_then_stats_loss")
 
 
 def _autograd_orders(rank, world):
     """{order: the largest error of the gradients against one process's, or the error raised}
-    for three autograd orders of one process on a parallelize()d model (FSDP2 over every
-    rank, each rank the same micro-batch: the gradients are world x one process's): two
-    backwards of a retained graph, a forward without gradients (an evaluation) between a
-    forward and its backward, and two graphs' backwards, the second's first."""
+    for autograd orders of one process on a parallelize()d model (FSDP2 over every rank,
+    each rank the same micro-batch: the gradients are world x one process's): two backwards
+    of a retained graph, a forward without gradients (an evaluation) between a forward and
+    its backward, two graphs' backwards, the second's first, and a loss of the MoE layers'
+    stats alone (the z-loss of their router logits), by itself or after the LM loss's
+    backward."""
+    from fmoe.ops import z_loss
+
     out = {}
     for order in ORDERS:
         ref, model, batch = _one_and_fsdp()
         for m, scale in ((ref, world), (model, 1)):
-            loss = _loss(m, batch, 24, 0)[0] * scale
             try:
+                if "stats_loss" in order:
+                    losses, stats = m(batch, m.context(batch))
+                    if order == "lm_then_stats_loss":
+                        (losses["lm_sum"] * scale).backward(retain_graph=True)
+                    (sum(z_loss(s["router_logits"]) for s in stats.values()) * scale).backward()
+                    continue
+                loss = _loss(m, batch, 24, 0)[0] * scale
                 if order == "retain_graph_twice":
                     loss.backward(retain_graph=True)
                     loss.backward()
@@ -754,7 +764,7 @@ def _autograd_orders(rank, world):
     return out
 
 
-DROPPED = ("forward", "logits", "foreach_adamw")
+DROPPED = ("forward", "logits", "foreach_adamw", "root_group_second", "root_only")
 
 
 def _dropped_forward(rank, world):
@@ -762,14 +772,19 @@ def _dropped_forward(rank, world):
     optimizer steps, each after a forward with gradients whose backward never comes (a loss
     dropped, by SGD: "forward", by torch's AdamW with foreach=True, CUDA's default, which
     bumps no version counter: "foreach_adamw"; a metric of logits() read with gradients on:
-    "logits"), on a
-    parallelize()d model (FSDP2, each rank the same micro-batch: the gradients are world x
+    "logits"; by SGD whose second group holds the root unit's own parameters:
+    "root_group_second", or SGD of those alone, the blocks trained by none: "root_only"), on
+    a parallelize()d model (FSDP2, each rank the same micro-batch: the gradients are world x
     one process's)."""
     out = {}
     for how in DROPPED:
         ref, model, batch = _one_and_fsdp()
         for m, scale in ((ref, world), (model, 1)):
-            opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True) if how == "foreach_adamw" else torch.optim.SGD(m.parameters(), lr=0.5)
+            blocks = [p for n, p in m.named_parameters() if n.startswith("blocks.")]
+            root = [p for n, p in m.named_parameters() if not n.startswith("blocks.")]  # embedding, head, final norm
+            opt = (torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True) if how == "foreach_adamw"
+                   else torch.optim.SGD([{"params": blocks}, {"params": root}], lr=0.5) if how == "root_group_second"
+                   else torch.optim.SGD(root, lr=0.5) if how == "root_only" else torch.optim.SGD(m.parameters(), lr=0.5))
             for _ in range(2):
                 (_loss(m, batch, 24, 0)[0] * scale).backward()
                 if how != "logits":
@@ -784,6 +799,38 @@ def _dropped_forward(rank, world):
                        for name, q in ref.state_dict().items() if q.is_floating_point())
     return out
 
+def _step_hook_bounds(rank, world):
+    """What the root's step pre-hook leaves alone, as (gathered before, gathered after) of a
+    root: another model's optimizer step ("other_model"), a step inside gathered() (its
+    root kept gathered: "in_gathered"); and whether a deleted parallelize()d model is freed
+    (the hook holds it weakly: "freed")."""
+    import gc
+    import weakref
+
+    from fmoe.parallel import gathered
+    from fmoe.parallel.fsdp import _param_groups
+
+    def root_gathered(m):
+        return any(group.is_unsharded for group in _param_groups(m))
+
+    (_, a, batch), (_, b, _) = _one_and_fsdp(), _one_and_fsdp()
+    loss = _loss(a, batch, 24, 0)[0]  # a's root gathered for its backward
+    before = root_gathered(a)
+    torch.optim.SGD(b.parameters(), lr=0.5).step()
+    out = {"other_model": (before, root_gathered(a))}
+    loss.backward()
+    opt = torch.optim.SGD(a.parameters(), lr=0.5)
+    with torch.no_grad(), gathered(a):
+        a.logits(batch["input_ids"], batch["cu_seqlens"])
+        before = root_gathered(a)
+        opt.step()
+        out["in_gathered"] = (before, root_gathered(a))
+    freed = weakref.ref(a)
+    del a, opt, loss
+    gc.collect()
+    return dict(out, freed=freed() is None)
+
+
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
     user-Blocks case, the refusals and the failed exports."""
@@ -796,6 +843,7 @@ def _cases(rank, world, names):
         out["in_place_owned"], out["in_place_plain"] = (in_own_groups(_in_place_on_unit_outputs, rank, world, plain) for plain in (False, True))
         out["autograd_orders"] = in_own_groups(_autograd_orders, rank, world)
         out["dropped_forward"] = in_own_groups(_dropped_forward, rank, world)
+        out["step_hook_bounds"] = in_own_groups(_step_hook_bounds, rank, world)
     return out
 
 
@@ -995,7 +1043,8 @@ def test_autograd_orders_of_one_process_give_its_gradients(results, order):
     resharded unit): a backward after the root was resharded (a retained graph's second, the
     first graph's after the second's, one after an evaluation forward without gradients in
     between) read its freed parameters ("setStorage: ... storage of size 0"), where one
-    process runs each. Each now gives one process's gradients."""
+    process runs each; so did a loss of a MoE layer's stats alone (its router's, after the
+    MoE unit resharded). Each now gives one process's gradients."""
     for rank, by_case in enumerate(results(2)):
         error = by_case["autograd_orders"][order]
         assert not isinstance(error, str) and error < 1e-5, f"rank {rank}: {error}"
@@ -1008,10 +1057,20 @@ def test_a_forward_without_its_backward_before_a_step_leaves_no_stale_weights(re
     changed its shards and the next forward ran on the gathered copies of before the step
     (the parameters 118% off one process's after two steps). The root is resharded at the
     next step of an optimizer of its parameters, whatever the optimizer's kind (torch's
-    foreach and fused steps bump no version counter of the shards)."""
+    foreach and fused steps bump no version counter of the shards) and whichever of its
+    groups holds them."""
     for rank, by_case in enumerate(results(2)):
         error = by_case["dropped_forward"][how]
         assert error < 1e-5, f"rank {rank}: {error}"
+
+
+def test_the_step_hook_leaves_other_models_and_gathered_roots_alone_and_dead_models_free(results):
+    """The root's step pre-hook reshards only for a step of an optimizer of its own
+    parameters, and not inside gathered() (each would cost an all-gather), and it holds the
+    model weakly: torch keeps it for the process's life, and a model held by it would be too."""
+    for rank, by_case in enumerate(results(2)):
+        assert by_case["step_hook_bounds"] == {"other_model": (True, True), "in_gathered": (True, True), "freed": True}, \
+            f"rank {rank}: {by_case['step_hook_bounds']}"
 
 
 def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone():
