@@ -217,6 +217,52 @@ def test_a_group_of_parameters_saved_with_other_knobs_is_refused_or_keeps_its_ow
         ckpt.load(tmp_path / "same", model=fresh, optimizers=[one_group], knobs="kept")
 
 
+def _two_layer_opts(optimizers):
+    """nn.Sequential(Linear(4, 3), Linear(3, 2)) and torch AdamWs over its parameters: a list
+    of optimizers, each a list of groups ([names], knobs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    params = dict(model.named_parameters())
+    return model, [torch.optim.AdamW([{"params": [params[n] for n in names], **knobs} for names, knobs in groups], lr=5e-3)
+                   for groups in optimizers]
+
+
+W0, W1 = ["0.weight", "0.bias"], ["1.weight", "1.bias"]
+REGROUPED = {  # saved optimizers' groups, loaded ones', what the refusal names
+    "third_parameter": ([[(W0, {"lr": 1e-2}), (W1, {"lr": 1e-3})]], [[(W0 + W1, {})]],
+                        r"optimizers\[0\]\.param_groups\[0\]: .*0\.weight and 1\.weight with other knobs \(lr 0\.01 and 0\.001\)"),
+    "betas": ([[(W0[:1], {"betas": (0.9, 0.95)}), (W0[1:] + W1, {})]], [[(W0 + W1, {})]],
+              r"optimizers\[0\]\.param_groups\[0\]: .*0\.weight and 0\.bias with other knobs \(betas \(0\.9, 0\.95\) and \(0\.9, 0\.999\)\)"),
+    "second_group": ([[(W0[:1], {"lr": 1e-2}), (W0[1:], {"lr": 1e-3}), (W1, {})]], [[(W1, {}), (W0, {})]],
+                     r"optimizers\[0\]\.param_groups\[1\]: .*0\.weight and 0\.bias with other knobs \(lr 0\.01 and 0\.001\)"),
+    "second_optimizer": ([[(W0, {})], [(W1[:1], {"lr": 1e-2}), (W1[1:], {"lr": 1e-3})]], [[(W0, {})], [(W1, {})]],
+                         r"optimizers\[1\]\.param_groups\[0\]: .*1\.weight and 1\.bias with other knobs \(lr 0\.01 and 0\.001\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REGROUPED))
+def test_every_parameter_group_and_knob_of_every_optimizer_is_checked(tmp_path, case):
+    """The knobs' check covers every parameter of a group (not the first two), every knob
+    (betas too), every group and every optimizer (the train loop's Muon and AdamW)."""
+    saved_groups, loaded_groups, said = REGROUPED[case]
+    saved, opts = _two_layer_opts(saved_groups)
+    saved(torch.randn(5, 4)).square().sum().backward()
+    for opt in opts:
+        opt.step()
+    ckpt.save(tmp_path, 1, model=saved, optimizers=opts)
+    fresh, loading = _two_layer_opts(loaded_groups)
+    with pytest.raises(ValueError, match=said):
+        ckpt.load(tmp_path, model=fresh, optimizers=loading)
+    ckpt.load(tmp_path, model=fresh, optimizers=loading, knobs="held")
+
+    def by_name(model, opts):  # each parameter's state, whichever optimizer and group holds it
+        names = {p: n for n, p in model.named_parameters()}
+        return {f"{names[p]}.{k}": v for opt in opts for p, state in opt.state.items() for k, v in state.items()}
+
+    _assert_identical(by_name(saved, opts), by_name(fresh, loading))
+    assert len(by_name(fresh, loading)) == 4 * 3  # step, exp_avg, exp_avg_sq of each
+
+
 def test_a_parameter_frozen_when_saved_and_trained_now_loads_with_its_groups_knobs(tmp_path):
     """A parameter in no optimizer when saved (frozen then: a pipeline stage that trained
     nothing) has no knobs in the checkpoint: the refusal named another kind of optimizer and
@@ -232,8 +278,9 @@ def test_a_parameter_frozen_when_saved_and_trained_now_loads_with_its_groups_kno
         ckpt.load(tmp_path, model=fresh, optimizers=[both])
     ckpt.load(tmp_path, model=fresh, optimizers=[both], knobs="held")
     assert fresh.weight not in both.state and torch.equal(both.state[fresh.bias]["exp_avg"], opt.state[saved.bias]["exp_avg"])
-    with pytest.raises(ValueError, match="these optimizers differ from the saving run's"):  # another kind: some knobs of each missing
-        ckpt.load(tmp_path, model=fresh, optimizers=[torch.optim.SGD([fresh.bias], lr=1e-2, momentum=0.9)])
+    for params in ([fresh.bias], [fresh.weight, fresh.bias]):  # another kind (frozen then too): some knobs of each missing
+        with pytest.raises(ValueError, match="these optimizers differ from the saving run's"):
+            ckpt.load(tmp_path, model=fresh, optimizers=[torch.optim.SGD(params, lr=1e-2, momentum=0.9)])
 
 
 def test_ranks_refuse_a_regrouped_load_together_and_load_its_grouping(tmp_path):
