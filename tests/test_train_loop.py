@@ -189,6 +189,48 @@ def test_a_resume_with_another_train_only_names_it(tmp_path):
     assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
 
 
+def _train_moe():
+    """examples/train_moe.py as a module (its functions, without a run)."""
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
+    import train_moe
+
+    return train_moe
+
+
+def test_the_resume_note_names_each_changed_training_knob_and_no_other(tmp_path):
+    """_training_changes against the knobs as config.json holds them (write_config: inf as
+    "inf"): each training knob changed is named, a --model.* knob of how it trains beside
+    another knob too; a knob given again as it was (an infinite --clip) is no change."""
+    from fmoe.train.run import saved_config, write_config
+
+    tm = _train_moe()
+    base = tm.Config()
+    write_config(tmp_path / "base", dataclasses.asdict(base))
+    was = saved_config(tmp_path / "base")["config"]
+    for knob, value in [("clip", 0.5), ("mtp_lambda", 0.3), ("z_coeff", 0.5), ("dtype", "bfloat16"), ("whole_documents", True)]:
+        assert tm._training_changes(was, dataclasses.replace(base, **{knob: value})) == [f"--{knob}={value} (was {getattr(base, knob)})"]
+    both = dataclasses.replace(base, weight_decay=0.5, model=dataclasses.replace(base.model, capacity_factor=1.25))
+    assert tm._training_changes(was, both) == [f"--weight_decay=0.5 (was {base.weight_decay})",
+                                               f"--model.capacity_factor=1.25 (was {base.model.capacity_factor})"]
+    assert tm._training_changes(was, base) == []
+    unclipped = dataclasses.replace(base, clip=math.inf)
+    write_config(tmp_path / "inf", dataclasses.asdict(unclipped))
+    was = saved_config(tmp_path / "inf")["config"]
+    assert was["clip"] == "inf" and tm._training_changes(was, unclipped) == []
+    assert tm._training_changes(was, base) == [f"--clip={base.clip} (was inf)"]
+
+
+def test_train_only_regexes_are_compared_by_the_parameters_they_train():
+    """A resume compares --train_only by the parameters each regex names (the strings were
+    compared): "" trains all; a regex that is no regex (config.json edited by hand) none."""
+    tm = _train_moe()
+    names = ["embed.weight", "blocks.0.attn.wq", "blocks.1.mlp.router.weight", "head.weight"]
+    assert tm._trains(names, r"blocks\.1\.") == tm._trains(names, "blocks[.]1[.]") == {"blocks.1.mlp.router.weight"}
+    assert tm._trains(names, "") == tm._trains(names, ".") == set(names) != tm._trains(names, "blocks")
+    assert tm._trains(names, "(") == tm._trains(names, 3) == set()
+
+
 def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):
     """A run directory from elsewhere whose config.json or metrics.jsonl links to another
     file (a shell's rc file): --resume wrote its metrics through the link, emptying that
