@@ -181,6 +181,7 @@ def test_a_blend_or_a_state_of_the_wrong_kinds_is_refused_by_name():
     sampler = BlendSampler(_blend([0.5, 0.5]), 8, seed=1)
     state = sampler.state_dict()
     for key, value, match in [("weights", [0.5, "x"], r"state: weights expected numbers, got \[0.5, 'x'\]"),
+                              ("weights", [True, 0.5], r"state: weights expected numbers, got \[True, 0.5\]"),
                               ("weights", None, "state: weights expected a list, got NoneType"),
                               ("samplers", None, "state: samplers expected a list, got NoneType"),
                               ("batches", None, "state: batches expected a list, got NoneType")]:

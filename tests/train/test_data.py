@@ -252,8 +252,8 @@ def test_a_stream_cut_inside_a_document_resumes_with_whole_documents_at_the_next
     """A run resumed with whole_documents turned on began its first batch with the rest of the
     document the earlier run had cut (the state did not say how the stream was cut): a piece
     trained without the tokens before it. It now goes on at the next document (the next
-    epoch's first after the last); a long document cut by a whole_documents sampler goes on
-    where it was cut, as before."""
+    epoch's first after the last); a stream at a document's start goes on there; a long
+    document cut by a whole_documents sampler goes on where it was cut, as before."""
     ds, T = _synthetic(n_docs=23, max_len=40), 32
     plain = Sampler(ds, T, seed=3)
     while not plain.offset:
@@ -271,6 +271,10 @@ def test_a_stream_cut_inside_a_document_resumes_with_whole_documents_at_the_next
         doc = int(whole._epoch_order(epoch)[index])
         first = whole.next_batch()["input_ids"]
         assert first[:min(ds.doc_len(doc), T)].tolist() == ds.document(doc).tolist()[:T]  # a document from its start
+    for at in (Sampler(ds, T, seed=3).state_dict(), dict(state, offset=0)):  # at a document's start (no cut): resumed there
+        whole = Sampler(ds, T, seed=3, whole_documents=True)
+        whole.load_state_dict(at)
+        assert (whole.epoch, whole.index, whole.offset) == (0, at["index"], 0)
     plain_again = Sampler(ds, T, seed=3)
     plain_again.load_state_dict(state)  # without whole_documents: the cut document's rest, as saved
     assert plain_again.next_batch()["input_ids"][:4].tolist() == ds.document(order[state["index"]]).tolist()[state["offset"]:][:4]

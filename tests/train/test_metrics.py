@@ -356,7 +356,8 @@ def test_a_log_after_close_or_of_keys_that_write_alike_is_refused(tmp_path):
 def test_a_resume_s_rewrite_of_the_log_is_whole_or_not_at_all(tmp_path, monkeypatch):
     """A resumed logger rewrites metrics.jsonl without the records from its start step on: a
     failure during the rewrite (a full disk, a kill) left it cut short, the run's history lost.
-    It is written beside it and renamed over it: a failure leaves the file as it was."""
+    It is written beside it and renamed over it: a failure leaves the file as it was, and
+    the file itself is never written in place."""
     log = M.MetricsLogger(tmp_path, total_steps=5, print_progress=False)
     for step in (1, 2, 3):
         log.log(step, {"loss": float(step)})
@@ -370,7 +371,15 @@ def test_a_resume_s_rewrite_of_the_log_is_whole_or_not_at_all(tmp_path, monkeypa
         M.MetricsLogger(tmp_path, total_steps=5, start_step=2, print_progress=False)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     monkeypatch.undo()
+    real_write = type(tmp_path).write_text
+
+    def write_text(path, *args, **kwargs):
+        assert path.name != "metrics.jsonl", "metrics.jsonl written in place"
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "write_text", write_text)
     M.MetricsLogger(tmp_path, total_steps=5, start_step=2, print_progress=False)
+    monkeypatch.undo()
     assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1]
 
 
@@ -1382,7 +1391,7 @@ def test_flops_per_token_refuses_fractional_sizes_and_counts():
     blocks' weights, heads and head dim were taken fractional (ffn_expert 32.5, n_sliding
     1.5) and gave fractional FLOPs. A whole float is still that number."""
     local = dict(n_sliding=1, n_avg_local_keys=3.0)
-    for name, value, extra in (("ffn_dense", 256.5, {}), ("ffn_expert", 32.5, {}), ("n_sliding", 1.5, dict(n_avg_local_keys=3.0)),
+    for name, value, extra in (("ffn_dense", 256.5, {}), ("ffn_expert", 32.5, {}), ("n_dense", 0.5, {}), ("n_sliding", 1.5, dict(n_avg_local_keys=3.0)),
                                ("n_linear", 0.5, dict(linear_layer=100.0)), ("n_mlp_only", 0.5, {}), ("v_dim", 16.5, {}),
                                ("attention_weights", 100.5, {}), ("local_attention_weights", 100.5, local),
                                ("local_heads", 1.5, local), ("local_head_dim", 8.5, local)):
@@ -1397,7 +1406,7 @@ def test_layer_loads_checks_a_lists_counts():
     """A list of rows with a negative count gave load metrics ([[-1, 2]]: max/mean 4.0, CV
     3.0), NaN gave NaNs, and string rows torch's "too many dimensions 'str'", naming no
     argument. A tensor's values are still not read on the host."""
-    for bad, shown in (([[-1, 2]], "-1"), ([[float("nan"), 2.0]], "nan"), ([[4.0, float("inf")]], "inf")):
+    for bad, shown in (([[-1, 2]], "-1"), ([[-1.0, 2.0]], "-1.0"), ([[float("nan"), 2.0]], "nan"), ([[4.0, float("inf")]], "inf")):
         with pytest.raises(ValueError, match=f"^counts: expected finite counts >= 0, got {shown}$"):
             M.layer_loads(bad, 4)
     for bad in ([["a", "b"]], [[1, 2], [3]], None):
