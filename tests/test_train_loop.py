@@ -184,8 +184,9 @@ def test_a_resume_with_another_train_only_names_it(tmp_path):
     assert run.returncode == 0 and [r["step"] for r in _records(tmp_path)] == [1, 2, 3], run.stderr[-2000:]
     assert not (tmp_path / "step_000003.tmp").exists() and "resumed from" in run.stdout
     shutil.rmtree(tmp_path / "step_000003", ignore_errors=True)  # the newest checkpoint is step 2's again
-    done = _train(tmp_path, "--steps=2", "--warmup=0", "--resume", "--train_only=blocks[.]1[.]")
+    done = _train(tmp_path, "--steps=2", "--warmup=0", "--resume", "--train_only=blocks[.]1[.]", "--clip=0.5")
     assert done.returncode == 0 and "nothing to train up to step 2" in done.stdout, done.stderr[-2000:]
+    assert "note: this resumed run trains with" not in done.stdout  # it trains nothing
     assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
 
 
