@@ -705,18 +705,18 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol, gathered_too=True):
                 gathers=(len(gathers), len(kept_gathers), len(resharded_gathers)))
 
 
-def _one_and_fsdp():
+def _one_and_fsdp(mtp_depth=0):
     """(one process's model, the same weights parallelize()d with FSDP2 over every rank) of
-    TINY without MTP, and a micro-batch (24 tokens) for both."""
+    TINY (without MTP by default), and a micro-batch (24 tokens) for both."""
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.parallel import build_meshes, parallelize
 
-    cfg = TransformerConfig(**dict(TINY, mtp_depth=0))
+    cfg = TransformerConfig(**dict(TINY, mtp_depth=mtp_depth))
     torch.manual_seed(0)
     ref, model = Transformer(cfg), Transformer(cfg)
     model.load_state_dict(ref.state_dict())
     parallelize(model, build_meshes())
-    return ref, model, _batches(1, mtp_depth=0)[0]
+    return ref, model, _batches(1, mtp_depth=mtp_depth)[0]
 
 
 ORDERS = ("retain_graph_twice", "no_grad_forward_before_backward", "second_graph_first", "stats_loss_alone", "lm_then_stats_loss")
@@ -728,13 +728,13 @@ def _autograd_orders(rank, world):
     each rank the same micro-batch: the gradients are world x one process's): two backwards
     of a retained graph, a forward without gradients (an evaluation) between a forward and
     its backward, two graphs' backwards, the second's first, and a loss of the MoE layers'
-    stats alone (the z-loss of their router logits), by itself or after the LM loss's
-    backward."""
+    stats alone (the z-loss of their router logits; with MTP, whose MoE layer's stats reach
+    the root's projection), by itself or after the LM loss's backward."""
     from fmoe.ops import z_loss
 
     out = {}
     for order in ORDERS:
-        ref, model, batch = _one_and_fsdp()
+        ref, model, batch = _one_and_fsdp(mtp_depth=int("stats_loss" in order))
         for m, scale in ((ref, world), (model, 1)):
             try:
                 if "stats_loss" in order:
