@@ -666,7 +666,9 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     tok/s 12.3k eta 4m05s` (the fields present in record, in that order). `load` is the
     worst MoE layer's max/mean expert load (record["load_max_over_mean"], one per layer):
     near 1 is balanced, E/k means one expert takes every token. `eta` is
-    record["eta_seconds"]. step: an int >= 0, total_steps and width ints >= 1."""
+    record["eta_seconds"]. step: an int >= 0, total_steps and width ints >= 1; each of those
+    fields a number or a one-element tensor (or numpy array), else a ValueError (a value of
+    another kind, a string, is left out)."""
     check_positive_int("step", step, 0)  # NaN, None, "3" gave torch's or Python's errors, naming none
     check_positive_int("total_steps", total_steps)  # 1.5 printed "step 1/1.5"
     check_positive_int("width", width)  # 0 and -3 printed "[]"
@@ -688,7 +690,10 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
                ("mfu", "mfu", "{:.1%}"), ("eta_seconds", "eta", _duration))
     for key, label, fmt in formats:
         value = values.get(key)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, np.ndarray)):  # a 1-D loss gave torch's "a Tensor with 3 elements cannot be converted"
+            if value.size != 1 if isinstance(value, np.ndarray) else value.numel() != 1:
+                raise ValueError(f"record[{key!r}]: expected a number or a one-element tensor, got a {type(value).__name__} of "
+                                 f"shape {list(value.shape)}")
             value = value.item()
         if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value):
             parts.append(f"{label} {fmt(value) if callable(fmt) else fmt.format(value)}")

@@ -1423,7 +1423,8 @@ def test_layer_loads_checks_a_lists_counts():
 def test_format_progress_checks_step_and_width_and_shows_numpy_loads():
     """step and width were not checked: NaN, None and "3" gave unrelated errors, width 0 or
     -3 printed "[]", total_steps 1.5 printed "step 1/1.5"; a numpy load_max_over_mean (which
-    MetricsLogger.log writes) was left out of the line; 2e12 tok/s printed 2000.0G."""
+    MetricsLogger.log writes) was left out of the line; 2e12 tok/s printed 2000.0G. A loss of
+    several values is refused by name (torch's error named no field); a 0-D numpy loss shows."""
     for name, args, want in (("step", (float("nan"), 10, {}), "expected an int, got nan"), ("step", (None, 10, {}), "expected an int"),
                              ("step", ("3", 10, {}), "expected an int"), ("step", (-1, 10, {}), "expected >= 0, got -1"),
                              ("total_steps", (1, 1.5, {}), "expected an int, got 1.5")):
@@ -1438,6 +1439,11 @@ def test_format_progress_checks_step_and_width_and_shows_numpy_loads():
     for loads in (np.array([1.2, 1.5]), np.float64(1.5), torch.tensor([1.2, 1.5])):
         assert M.format_progress(5, 10, {"load_max_over_mean": loads}) == "[##########..........] step 5/10 load 1.50", loads
     assert M.format_progress(5, 10, {"tokens_per_s": 2e12}) == "[##########..........] step 5/10 tok/s 2.0T"
+    for loss, kind in ((torch.tensor([2.0, 3.0, 4.0]), r"Tensor of shape \[3\]"), (np.zeros((2, 1)), r"ndarray of shape \[2, 1\]")):
+        with pytest.raises(ValueError, match=rf"^record\['loss'\]: expected a number or a one-element tensor, got a {kind}$"):
+            M.format_progress(5, 10, {"loss": loss})  # torch's "a Tensor with 3 elements cannot be converted to Scalar"
+    for loss in (torch.tensor([2.5]), np.array(2.5), np.float32(2.5)):
+        assert M.format_progress(5, 10, {"loss": loss}, width=2) == "[#.] step 5/10 loss 2.5000"
 
 
 def test_to_host_refuses_complex_values():
