@@ -155,44 +155,42 @@ def test_bench_plans_at_least_five_timed_calls_of_any_length():
         assert timed >= 5 and (warmup + timed) * ms <= common.WARMUP_MS + common.REP_MS + 6 * ms, (ms, warmup, timed)
 
 
-class _HostEvent:
-    """torch.cuda.Event on the host: record() reads perf_counter (the CUDA path of bench() on CPU)."""
-
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self):
-        import time
-
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end):
-        return (end.t - self.t) * 1e3
-
-
 @pytest.mark.parametrize("call_ms, calls_made", [(30.0, 7), (8.0, 13)])
 def test_bench_cuda_path_takes_the_median_of_five_timed_calls(monkeypatch, call_ms, calls_made):
-    """bench()'s CUDA path, run on the host with events that read perf_counter (SLOW_MS 20 ms,
-    do_bench's 25 / 100 ms scaled to 5 / 10 ms): a 30 ms call (slow) is called 1 + 1 + 5 times,
-    an 8 ms one 1 + 1 + 5 (estimate) + 1 (warm-up) + 5; both times are a median of 5 samples,
-    one of them made slow on purpose (a median, not the one sample do_bench took)."""
-    import time
+    """bench()'s CUDA path, run on the host with events and perf_counter reading a clock that
+    each call moves on by its time (SLOW_MS 20 ms, do_bench's 25 / 100 ms scaled to 5 / 10 ms):
+    a 30 ms call (slow) is called 1 + 1 + 5 times, an 8 ms one 1 + 1 + 5 (estimate) + 1
+    (warm-up) + 5; both times are the median of 5 samples, one of them made slow on purpose
+    (a median, not the one sample do_bench took). The clock is the test's: timed sleeps made
+    the counts and the median depend on the machine's load (a late wake-up: 7 calls, 15.9 ms)."""
     from types import SimpleNamespace
 
-    common, calls = _common(), []
+    common, calls, clock = _common(), [], [0.0]
+
+    class HostEvent:  # torch.cuda.Event on the host: record() reads the clock
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
     monkeypatch.setattr(common, "SLOW_MS", 20.0)
     monkeypatch.setattr(common, "WARMUP_MS", 5.0)
     monkeypatch.setattr(common, "REP_MS", 10.0)
-    monkeypatch.setattr(common.torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(common.torch.cuda, "Event", HostEvent)
     monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(common, "_l2_flush", lambda device: torch.zeros(4, dtype=torch.int32))
 
     def fn():
         calls.append(1)
-        time.sleep((call_ms * (4 if len(calls) == calls_made - 2 else 1)) / 1e3)  # one timed call 4x slower
+        clock[0] += call_ms * (4 if len(calls) == calls_made - 2 else 1) / 1e3  # one timed call 4x slower
 
     ms = common.bench(fn, SimpleNamespace(type="cuda"))
-    assert len(calls) == calls_made and 0.9 * call_ms < ms < 2 * call_ms, (len(calls), ms)
+    assert len(calls) == calls_made and ms == pytest.approx(call_ms), (len(calls), ms)
 
 
 def _run_all(tmp_path, *flags):

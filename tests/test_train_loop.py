@@ -597,10 +597,10 @@ def test_a_step_s_speed_leaves_its_validation_out(tmp_path):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [2, 4, 6] and all(r["eval_seconds"] > 0 for r in evals)
     assert not any("eval_seconds" in r for r in records if "val_loss" not in r)
-    trains = [r["tokens_per_s"] for r in records if r["step"] in (3, 5)]  # step 1 warms up
-    assert statistics.median(r["tokens_per_s"] for r in evals) > 0.4 * statistics.median(trains), records
-    # the validation took longer than the step it followed (16 forwards against one forward and backward)
-    assert statistics.median(r["eval_seconds"] * r["tokens_per_s"] / 128 for r in evals) > 1.5
+    # each evaluating step's own time, 128 / tokens_per_s, is shorter than its validation's (16 forwards against one
+    # forward and backward): had it counted the validation, it would be longer whatever the machine's load. (A comparison
+    # with the other steps' speed failed 2 runs in 10 on a loaded machine: single steps of 15-350 ms.)
+    assert statistics.median(r["eval_seconds"] * r["tokens_per_s"] / 128 for r in evals) > 1.0, records
 
 
 def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):

@@ -447,6 +447,9 @@ def _ranks_in_the_loop(run, metrics) -> dict:
     deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    if run.poll() is not None:  # ended before its first step: what it said, not a missing /proc file
+        out, err = run.communicate()
+        raise AssertionError(f"the launch ended before its first step (exit {run.returncode}):\n{out[-2000:]}{err[-4000:]}")
     ranks = {}
     for pid in pathlib.Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split():
         env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -455,12 +458,13 @@ def _ranks_in_the_loop(run, metrics) -> dict:
 
 
 def test_a_stalled_rank_fails_the_run_after_the_collective_timeout(tmp_path):
-    """--collective_timeout=0.1 (6 s): rank 1 stopped (SIGSTOP) in the loop, rank 0 fails in
+    """--collective_timeout=0.2 (12 s): rank 1 stopped (SIGSTOP) in the loop, rank 0 fails in
     its next collective after the timeout rather than torch's default 30 minutes (torchrun
-    then kills the stopped rank 30 s after its SIGTERM)."""
+    then kills the stopped rank 30 s after its SIGTERM). (The timeout holds from the start:
+    it leaves a loaded machine's ranks 12 s apart before the first step.)"""
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=100000",
-                            "--collective_timeout=0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            "--collective_timeout=0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     ranks = {}
     try:
