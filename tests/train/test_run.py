@@ -181,12 +181,13 @@ def test_a_refusal_is_held_back_on_ranks_other_than_0(monkeypatch, rank, world, 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # another launcher: no store to look at
     for name, value in (("RANK", rank), ("WORLD_SIZE", world)):
         monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
-    code, took = _timed(_refuse, ["lr"], wait=0.5)
+    # "at once": well before a wait of 30 s (a bound of 0.5 s is a loaded machine's stall)
+    code, took = _timed(_refuse, ["lr"], wait=0.5 if held else 30)
     assert code == "--lr: expected a number"  # the message itself, after the wait or at once
-    assert (took >= 0.5) == held, took
+    assert took >= 0.5 if held else took < 10, took
     # a clean exit, a --help's SystemExit(0) and other errors pass at once on every rank
-    assert _timed(lambda argv: None, [], wait=5)[0] == "returned"
-    assert _timed(lambda argv: sys.exit(0), [], wait=5)[1] < 1
+    assert _timed(lambda argv: None, [], wait=30)[0] == "returned"
+    assert _timed(lambda argv: sys.exit(0), [], wait=30)[1] < 10
     with pytest.raises(KeyError):
         run_script(lambda argv: {}["x"], [], wait=5)
 
@@ -216,8 +217,8 @@ def test_rank_0_leaves_its_refusal_in_torchrun_s_store(monkeypatch, launch_store
     monkeypatch.setenv("RANK", "0")
     assert _timed(lambda argv: sys.exit(0), [], wait=5)[0] == 0 and _timed(lambda argv: None, [], wait=5)[0] == "returned"
     assert launch_store.num_keys() == 0  # nothing left for a clean exit
-    code, took = _timed(_refuse, ["lr"], wait=5)
-    assert code == "--lr: expected a number" and took < 1, took  # said at once
+    code, took = _timed(_refuse, ["lr"], wait=30)
+    assert code == "--lr: expected a number" and took < 10, took  # said at once
     assert launch_store.check([_key()]) and launch_store.get(_key()) == b"--lr: expected a number"
 
 
@@ -231,15 +232,17 @@ def test_another_rank_waits_for_rank_0_however_late_and_stays_silent(monkeypatch
     thread = _rank_0_says_later(launch_store, "--lr: expected a number", after=0.6)
     code, took = _timed(_refuse, ["lr"], wait=3.0)
     thread.join()
-    assert code == 1 and 3.6 <= took < 10, took  # rank 0 said it: silent, status 1, after waiting for torchrun's SIGTERM
+    # rank 0 said it: silent, status 1, after waiting for torchrun's SIGTERM (0.6 s of the thread's, begun a moment
+    # before this rank's clock, then the wait)
+    assert code == 1 and 3.5 <= took < 10, took
 
 
 def test_another_rank_says_a_refusal_rank_0_does_not_share(monkeypatch, launch_store):
     monkeypatch.setenv("RANK", "3")
     thread = _rank_0_says_later(launch_store, "--data: no such file", after=0.3)
-    code, took = _timed(_refuse, ["lr"], wait=5)
+    code, took = _timed(_refuse, ["lr"], wait=30)
     thread.join()
-    assert code == "--lr: expected a number" and 0.3 <= took < 4, took  # at once after rank 0's other refusal
+    assert code == "--lr: expected a number" and 0.25 <= took < 10, took  # at once after rank 0's other refusal (0.3 s in)
     # a previous attempt's refusal (torchrun's restarts) is not this attempt's
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     thread = _rank_0_says_later(launch_store, "--lr: expected a number", after=0.0, restart="0")
