@@ -43,7 +43,13 @@ routes must stay float32.
 The dense data mesh is dp_shard, or (dp_replicate, dp_shard) for HSDP. Gradients are
 summed, not averaged, over data ranks (gradient divide factor 1): the train loop divides
 the loss by the step's global count of valid tokens, so gradients do not depend on how the
-tokens are split over ranks and micro-batches (DESIGN.md).
+tokens are split over ranks and micro-batches (DESIGN.md). The train loop reduces every
+micro-batch's gradients; a loop of your own that turns that off for some
+(set_requires_gradient_sync(False), FSDP2's accumulation) with param_dtype bf16 and
+reduce_dtype float32 must reach every parameter of a unit in each micro-batch's backward
+(the LM loss with its MTP terms, not a stats loss alone): FSDP2 then holds float32 sums for
+some and not for others, and its next reduce-scatter fails ("expects uniform gradient
+dtype"), as plain fully_shard does.
 """
 
 from __future__ import annotations
