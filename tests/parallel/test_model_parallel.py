@@ -799,6 +799,7 @@ def _dropped_forward(rank, world):
                        for name, q in ref.state_dict().items() if q.is_floating_point())
     return out
 
+
 def _step_hook_bounds(rank, world):
     """What the root's step pre-hook leaves alone, as (gathered before, gathered after) of a
     root: another model's optimizer step ("other_model"), a step inside gathered() (its
