@@ -680,7 +680,7 @@ def main(argv: list[str]) -> None:
             trained_names = re.compile(cfg.train_only)
         except re.error as err:
             sys.exit(f"--train_only={cfg.train_only!r}: not a regular expression ({err})")
-        if not any(trained_names.search(name) for name, p in whole.named_parameters() if p.requires_grad):
+        if not _trains(trainable, cfg.train_only):
             sys.exit(f"--train_only={cfg.train_only!r}: matches none of the model's trainable parameter names "
                      f"(e.g. {next(whole.named_parameters())[0]!r})")
 
@@ -874,8 +874,7 @@ def main(argv: list[str]) -> None:
     if profile_steps is not None and profile_steps[1] <= step < last:  # a resumed run: those steps were run before it
         sys.exit(f"--profile: steps {cfg.profile} were run before this resume (from step {step}); profile steps after it")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step (after the refusals: a refused
-    # resume leaves metrics.jsonl as it was)
-    # resume with nothing to train (--steps at the checkpoint): no logger, so the records of the steps past it stay
+    # resume leaves metrics.jsonl as it was); a resume with nothing to train opens no logger, so the records past it stay
     try:
         logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1,
                                        tensorboard=cfg.tensorboard) if step < last else None

@@ -691,7 +691,7 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     for key, label, fmt in formats:
         value = values.get(key)
         if isinstance(value, (torch.Tensor, np.ndarray)):  # a 1-D loss gave torch's "a Tensor with 3 elements cannot be converted"
-            if value.size != 1 if isinstance(value, np.ndarray) else value.numel() != 1:
+            if math.prod(value.shape) != 1:
                 raise ValueError(f"record[{key!r}]: expected a number or a one-element tensor, got a {type(value).__name__} of "
                                  f"shape {list(value.shape)}")
             value = value.item()
