@@ -757,7 +757,8 @@ class MetricsLogger:
     `fmoe[tensorboard]` extra): a scalar as its key, a list of numbers (per MoE layer) as
     key/0, key/1, ..., a dict of numbers (tokens per data source) as key/name. The writer opens
     with purge_step=start_step, so TensorBoard hides the events of steps >= start_step that
-    an earlier (killed) run wrote: one record per step there too.
+    an earlier (killed) run wrote: one record per step there too. Without the package, an
+    ImportError naming the extra before anything is written (the file and out_dir as they were).
     """
 
     def __init__(self, out_dir, *, rank: int = 0, total_steps: int, start_step: int = 0, print_progress: bool = True,
@@ -772,6 +773,12 @@ class MetricsLogger:
         self.writer, self.closed = None, False
         if rank != 0:
             return
+        summary_writer = None
+        if tensorboard:  # before anything is written: a refusal leaves out_dir as it was
+            try:
+                from torch.utils.tensorboard import SummaryWriter as summary_writer
+            except ImportError as err:
+                raise ImportError("tensorboard: needs the tensorboard package: pip install 'fmoe[tensorboard]'") from err
         out_dir.mkdir(parents=True, exist_ok=True)
         refuse_link(self.path)
         kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] < start_step]
@@ -783,12 +790,8 @@ class MetricsLogger:
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ImportError("tensorboard: needs the tensorboard package: pip install 'fmoe[tensorboard]'") from err
-            self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step)
+        if summary_writer is not None:
+            self.writer = summary_writer(str(out_dir / "tensorboard"), purge_step=start_step)
 
     def log(self, step: int, record: dict) -> None:
         """Write {"step": step, **record} as one line (and print the progress line). step: an

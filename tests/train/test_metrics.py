@@ -1119,6 +1119,22 @@ def test_tensorboard_gets_every_number_of_a_record(tmp_path):
     assert not (tmp_path / "r1").exists()
 
 
+def test_tensorboard_without_its_package_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A resume refused for a missing tensorboard package kept the file cut back to start_step (8 records became 4)."""
+    log = M.MetricsLogger(tmp_path, total_steps=8, print_progress=False)
+    for step in range(1, 9):
+        log.log(step, {"loss": 10.0 - step})
+    log.close()
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'fmoe\[tensorboard\]'"):
+        M.MetricsLogger(tmp_path, total_steps=8, start_step=5, print_progress=False, tensorboard=True)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(ImportError, match="tensorboard"):  # a fresh run: no out_dir left behind
+        M.MetricsLogger(tmp_path / "fresh", total_steps=8, tensorboard=True)
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_tensorboard_keeps_one_record_per_step_after_a_resume(tmp_path):
     """A killed run logged steps 1..6, its newest checkpoint is step 4: the resumed run (start_step=5) re-logs 5 and 6;
     TensorBoard shows each step once, the resumed run's values (as metrics.jsonl), not the killed run's beside them."""
