@@ -82,14 +82,22 @@ def set_deterministic(enabled: bool = True) -> None:
 
 def _git_state(package: Path) -> tuple[Optional[str], Optional[bool]]:
     """(HEAD, whether tracked files differ from it) of the git checkout whose top level holds
-    `package` (fmoe's source tree), or (None, None): a package installed inside another
-    repository (a project's .venv) is not its checkout."""
+    `package` (fmoe's source tree) as tracked files, or (None, None): a package installed inside
+    another repository (a project's .venv, or `pip install --target` at its top level) is not
+    its checkout."""
     try:
         run = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None, None
     lines = run.stdout.split("\n")
     if run.returncode != 0 or len(lines) < 2 or Path(lines[0]).resolve() != package.parent:
+        return None, None
+    try:
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "--", "__init__.py"], cwd=package, capture_output=True,
+                                 timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        tracked = False
+    if not tracked:
         return None, None
     try:
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package.parent, capture_output=True,

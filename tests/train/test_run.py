@@ -431,7 +431,8 @@ def test_config_json_is_strict_json_and_a_model_knob_s_infinity_comes_back(tmp_p
 def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_path):
     """run_info's git_commit came from any repository above the package: fmoe installed in a
     project's .venv recorded the project's commit as its own. Only a checkout whose top level
-    holds the fmoe package counts."""
+    holds the fmoe package, tracked, counts: the package installed at a project's top level
+    (`pip install --target .`) recorded the project's commit too."""
     from fmoe.train.run import run_info
 
     root = pathlib.Path(fmoe.train.run.__file__).resolve().parents[2]
@@ -445,11 +446,13 @@ def test_the_git_commit_is_fmoe_s_own_not_a_project_s_it_is_installed_in(tmp_pat
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "a project"]):
         subprocess.run(git + args, cwd=project, check=True, capture_output=True)
+    shutil.copytree(site / "fmoe", project / "fmoe")  # installed at its top level, untracked
     script = "import fmoe.train.run as run; print(run.__file__); print(run.run_info()['git_commit'])"
-    out = subprocess.run([sys.executable, "-c", script], cwd=project, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(site)})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == [str(site / "fmoe" / "train" / "run.py"), "None"]
+    for where in (site, project):
+        out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(where)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.splitlines() == [str(where / "fmoe" / "train" / "run.py"), "None"]
 
 
 def test_set_deterministic_turns_the_modes_on_and_off():
