@@ -8,6 +8,7 @@
 #   make bench     setup, then the gpu tests and every benchmark on a CUDA machine, appended to
 #                  benchmarks/RESULTS.md (benchmarks/run_all.py; ARGS="--only bench_rope ...")
 #   make bench-smoke  every benchmark's --smoke mode (CPU, tiny shapes)
+#   make clean     remove the venv, outputs and build folders (setuptools reuses build/: a deleted module stayed in the next wheel)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -48,4 +49,4 @@ bench-smoke: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench_out out
+	rm -rf $(VENV) .pytest_cache bench_out out build dist fmoe.egg-info
