@@ -1,6 +1,7 @@
 """The Triton/torch dispatch rule of every op, and small tensor helpers.
 
     use_triton(impl, *tensors)   "auto" | "triton" | "torch": which implementation runs
+    transform_of(*tensors)       the torch.func transform or forward-mode AD the tensors are under, or None
     interpreting()               Triton kernels run through the CPU interpreter
     interpreter_problem()        why the installed Triton interpreter cannot run the kernels, or None
     vectorize_interpreter_scans()   the interpreter's tl.associative_scan one step per position along its axis
@@ -24,6 +25,7 @@ import re
 import torch
 import triton
 import triton.language as tl
+from torch.autograd import forward_ad
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -81,19 +83,45 @@ def ieee_dot(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
+def transform_of(*tensors) -> str | None:
+    """What the tensors are under that the kernels' custom ops cannot differentiate, or None:
+    forward-mode AD (a tensor with a tangent: torch.func.jvp, jacfwd, forward_ad's dual
+    tensors), where a custom op with a backward alone gives zero tangents without a word, or
+    another torch.func transform (a functorch-wrapped tensor: grad, vjp, jacrev, vmap), where
+    it raises torch's "must override the setup_context staticmethod". Not a tensor (None, an
+    int) is passed over; None while torch.compile traces (its graphs hold no such tensors)."""
+    if torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad's dual tensors)"
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return "a torch.func transform (grad, vjp, jacrev, vmap)"
+    return None
+
+
 def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
     """The dispatch rule of every op.
 
     "auto": Triton for CUDA tensors, the torch reference otherwise. "triton": the kernels,
     on CUDA tensors or, under TRITON_INTERPRET=1, on CPU tensors. "torch": the reference.
+    Under forward-mode AD or a torch.func transform (transform_of the tensors: pass every
+    differentiable input, None for one left out) "auto" is the reference, which they
+    differentiate, and "triton" a ValueError: the kernels have a backward alone (forward mode
+    would give zero tangents without a word).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    on_cuda = all(t.is_cuda for t in tensors)
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)  # None: an optional input left out
     if impl == "torch":
         return False
     if impl == "auto":
-        return on_cuda
+        return on_cuda and transform_of(*tensors) is None
+    if (transform := transform_of(*tensors)) is not None:
+        raise ValueError(f"impl='triton': the kernels have a backward alone, which {transform} cannot use (forward mode would give "
+                         "zero tangents); use impl='torch' or 'auto' (the reference there)")
     if not on_cuda and not interpreting():
         raise ValueError(
             "impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "

@@ -43,8 +43,19 @@ def holds_values(t: torch.Tensor) -> bool:
 def checking(check: bool = True, *tensors) -> bool:
     """Whether value checks that need a device->host sync run: asked for (an op's `check`),
     not while torch.compile traces, and every tensor to be read (None: left out) holds values
-    (holds_values: not meta, not fake; shapes alone leave nothing to read)."""
-    return check and not torch.compiler.is_compiling() and all(t is None or holds_values(t) for t in tensors)
+    (holds_values: not meta, not fake; shapes alone leave nothing to read) and is not mapped
+    by torch.func.vmap (which reads no values: its "data-dependent control flow" error)."""
+    return (check and not torch.compiler.is_compiling()
+            and all(t is None or holds_values(t) and not _vmapped(t) for t in tensors))
+
+
+def _vmapped(t: torch.Tensor) -> bool:
+    """Whether t is batched by torch.func.vmap at any of its function-transform levels."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if torch._C._functorch.is_batchedtensor(t):
+            return True
+        t = torch._C._functorch.get_unwrapped(t)
+    return False
 
 
 def check_distinct_memory(name: str, x: torch.Tensor, why: str) -> None:

@@ -362,7 +362,7 @@ _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_c
 def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
     """The states S_0 .. S_M [R, M + 1, Dk, Dv]: the Triton kernels (use_triton(impl); Dk at
     most 128), else _states_ref. w_k None: no rule."""
-    if use_triton(impl, w_v) and k_out.shape[-1] <= 128:
+    if use_triton(impl, w_v, w_k, k_out, keep, state0) and k_out.shape[-1] <= 128:
         return _states_kernel(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
     return _states_ref(w_v, w_k, k_out, keep, state0)
 

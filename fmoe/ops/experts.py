@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import DOT_UPCAST, autocast_off, interpreting, next_pow2, use_triton
+from fmoe.ops.backend import DOT_UPCAST, autocast_off, interpreting, next_pow2, transform_of, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES, check_device, check_float, checking, holds_values
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quantize
 
@@ -723,8 +723,10 @@ def grouped_mlp(
         check: raise a ValueError unless offsets are non-decreasing from 0 and end within R
             (one device->host sync; skipped under torch.compile).
         impl: "auto" (CUDA: torch._grouped_mm where it is fast, else Triton; CPU:
-            torch._grouped_mm with a torch SwiGLU; both without host reads), "triton", or
-            "torch" (the per-expert loop, which reads offsets on the host).
+            torch._grouped_mm with a torch SwiGLU; both without host reads; under
+            forward-mode AD or a torch.func transform the per-expert loop, which they
+            differentiate), "triton", or "torch" (the per-expert loop, which reads offsets
+            on the host).
         b_gate, b_up: optional [E, F] biases of the gate and up projections, b_down [E, H]
             of the down projection (x_perm's dtype and device), added to each expert's rows.
         alpha, limit, offset: the clamped SwiGLU (module docstring; gpt-oss: 1.702, 7.0,
@@ -796,10 +798,11 @@ def grouped_mlp(
     check_fp8(fp8)
     fp8 = FP8_FAST if check_fp8_fast_accum(fp8_fast_accum, fp8) else (FP8_ON if fp8 else FP8_OFF)
 
-    if use_triton(impl, x_perm, w_up, w_down, offsets):
+    if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets, *biases):
         torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F) and (not fp8 or (H % 16 == 0 and F % 16 == 0))
         return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu, fp8)
-    if impl == "auto" and x_perm.device.type in ("cpu", "meta"):  # meta: shapes only (the loop below reads offsets)
+    # meta: shapes only (the loop below reads offsets); torch._grouped_mm's custom op is not for torch.func (transform_of)
+    if impl == "auto" and x_perm.device.type in ("cpu", "meta") and transform_of(x_perm, w_gate, w_up, w_down, *biases) is None:
         return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
     if not holds_values(offsets):
         raise ValueError(f"impl: 'torch' loops over the experts by offsets read on the host, which a meta or fake offsets does not "
@@ -841,7 +844,8 @@ def grouped_matmul(x_perm: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     _check_offsets(offsets, E, R, x_perm, check)
     if use_triton(impl, x_perm, w, offsets):
         return _grouped_gemm_fwd(x_perm, w, offsets, impl == "auto" and _grouped_mm_fast(x_perm, N), FP8_OFF)
-    if impl == "auto" and x_perm.device.type in ("cpu", "meta"):  # torch._grouped_mm wants 16-byte aligned rows: zero columns added, cut after
+    # torch._grouped_mm wants 16-byte aligned rows: zero columns added, cut after (not under torch.func: transform_of)
+    if impl == "auto" and x_perm.device.type in ("cpu", "meta") and transform_of(x_perm, w) is None:
         multiple = 16 // x_perm.element_size()
         pad_K, pad_N = -K % multiple, -N % multiple
         if pad_K or pad_N:

@@ -440,6 +440,9 @@ def _linear_ce_setup_context(ctx, inputs, output):
 
 
 def _linear_ce_backward(ctx, grad_loss, _grad_dh, _grad_dw, _grad_db):
+    if torch.is_grad_enabled():  # create_graph=True: the gradients below would be constants
+        raise RuntimeError("linear_cross_entropy(impl='triton'): its gradients are computed in the forward, with no graph of their own: "
+                           "a double backward (create_graph=True, a gradient penalty) needs impl='torch'")
     dh, dw, db = _saved_once(ctx, "linear_cross_entropy")  # scaled in place: a second backward fails there
     return (
         dh.detach().mul_(grad_loss) if ctx.need_dh else None,
@@ -633,7 +636,7 @@ def linear_cross_entropy(
     cap = _check_softcap(softcap)
     _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
-    if not use_triton(impl, h, weight, labels):
+    if not use_triton(impl, h, weight, labels, bias):
         if h.shape[0] <= chunk_rows:
             return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias, softcap)
         return _linear_ce_chunks_ref(h, weight, labels, ignore_index, mean, bias, softcap, chunk_rows)

@@ -292,7 +292,7 @@ def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final
     check_positive_int("chunk_size", chunk_size)  # the torch path's, checked on every path (CUDA's "auto" runs the kernel)
     B, T, C = u.shape
     N = A.shape[1]
-    if use_triton(impl, u) and T > 0:
+    if use_triton(impl, u, dt, A, b, c, initial_state) and T > 0:
         h0 = torch.zeros(B, C, N, device=u.device) if initial_state is None else initial_state.float().contiguous()
         y, hT, _ = _scan_kernel(*(t.float().contiguous() for t in (u, dt, A, b, c)), _starts(cu_seqlens, B, T, u.device), h0)
         return (y, hT) if final_state else y

@@ -1,0 +1,143 @@
+"""The ops under torch's function transforms: forward-mode AD (torch.func.jvp, forward_ad's
+dual tensors), torch.func.grad and vmap, and a double backward (create_graph=True).
+
+The kernels and the CPU's torch._grouped_mm path are custom ops with a backward alone: under
+forward-mode AD torch gives them zero tangents without a word, and torch.func.grad raised
+torch's "must override the setup_context staticmethod". "auto" takes the reference there,
+"triton" refuses."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import fmoe.ops as F
+from fmoe.layers import MoEConfig
+from fmoe.model import MoE
+from fmoe.ops.backend import transform_of
+
+# torch's forward-mode decompositions script themselves on first use (torch 2.13's own deprecation)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+R, H, FF, E = 9, 8, 12, 3
+
+
+def _experts():
+    x = torch.randn(R, H)
+    weights = [torch.randn(E, H, FF) / 3, torch.randn(E, H, FF) / 3, torch.randn(E, FF, H) / 3]
+    return x, weights, torch.tensor([3, 3, 8], dtype=torch.int32)  # an empty expert, a row of none
+
+
+def test_transform_of_names_forward_mode_and_the_function_transforms():
+    x = torch.randn(3)
+    seen = {}
+
+    def note(tag):
+        def f(t):
+            seen[tag] = transform_of(None, 2, t)  # not tensors: passed over
+            return t * 2
+        return f
+
+    note("plain")(x)
+    torch.func.jvp(note("jvp"), (x,), (torch.ones(3),))
+    torch.func.grad(lambda t: note("grad")(t).sum())(x)
+    torch.func.vmap(note("vmap"))(torch.randn(2, 3))
+    with fwAD.dual_level():
+        note("dual")(fwAD.make_dual(x, torch.ones(3)))
+    assert seen["plain"] is None
+    assert seen["jvp"] == seen["dual"] == "forward-mode AD (torch.func.jvp, jacfwd, forward_ad's dual tensors)"
+    assert seen["grad"] == seen["vmap"] == "a torch.func transform (grad, vjp, jacrev, vmap)"
+
+
+@pytest.mark.parametrize("along", ["x_perm", "w_up", "w_down"])
+def test_forward_mode_ad_through_the_experts_gives_the_reference_s_tangents(along):
+    """The CPU's "auto" grouped_mlp and grouped_matmul (torch._grouped_mm in a custom op) gave a tangent of zeros."""
+    x, (w_gate, w_up, w_down), offsets = _experts()
+    inputs = dict(x_perm=x, w_up=w_up, w_down=w_down)
+    tangent = torch.randn_like(inputs[along])
+
+    def mlp(impl):
+        return lambda t: F.grouped_mlp(**{**inputs, along: t}, w_gate=w_gate, offsets=offsets, impl=impl)
+
+    out, auto = torch.func.jvp(mlp("auto"), (inputs[along],), (tangent,))
+    ref_out, ref = torch.func.jvp(mlp("torch"), (inputs[along],), (tangent,))
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(auto, ref)
+    assert ref[:8].abs().amax() > 0.1 and (ref[8:] == 0).all()  # the row of no expert has none
+    with fwAD.dual_level():  # forward_ad's dual tensors alike
+        dual = mlp("auto")(fwAD.make_dual(inputs[along], tangent))
+        torch.testing.assert_close(fwAD.unpack_dual(dual).tangent, ref)
+    if along != "w_down":  # grouped_matmul alike (K = 8, N = 12: torch._grouped_mm's aligned rows on CPU)
+        def matmul(impl):
+            return lambda t: F.grouped_matmul(**{"x_perm": x, "w": w_up, along.replace("w_up", "w"): t}, offsets=offsets, impl=impl)
+
+        _, auto = torch.func.jvp(matmul("auto"), (inputs[along],), (tangent,))
+        _, ref = torch.func.jvp(matmul("torch"), (inputs[along],), (tangent,))
+        torch.testing.assert_close(auto, ref)
+        assert ref.abs().amax() > 0.1
+
+
+def test_an_moe_layer_under_jvp_and_func_grad_matches_the_reference():
+    """fmoe.model.MoE with the default impl: its jvp along the experts' weights was zero on CPU, and torch.func.grad raised."""
+    layers = {impl: MoE(16, 8, MoEConfig(n_experts=4, k=2, score="sigmoid", impl=impl), shared_ffn=16) for impl in ("auto", "torch")}
+    layers["torch"].load_state_dict(layers["auto"].state_dict())
+    x = torch.randn(9, 16)
+    params = {n: p.detach() for n, p in layers["auto"].named_parameters()}
+    tangent = torch.randn_like(params["experts.w_up"])
+
+    def out(impl):
+        return lambda w: torch.func.functional_call(layers[impl], {**params, "experts.w_up": w}, (x,))[0]
+
+    _, auto = torch.func.jvp(out("auto"), (params["experts.w_up"],), (tangent,))
+    _, ref = torch.func.jvp(out("torch"), (params["experts.w_up"],), (tangent,))
+    torch.testing.assert_close(auto, ref)
+    assert ref.abs().amax() > 1e-3
+
+    loss = lambda p: torch.func.functional_call(layers["auto"], p, (x,))[0].square().sum()  # noqa: E731
+    grads = torch.func.grad(loss)(params)
+    layers["auto"](x)[0].square().sum().backward()
+    for name, p in layers["auto"].named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "grad"])
+def test_the_kernels_refuse_forward_mode_and_the_function_transforms(transform):
+    """impl='triton' (CPU: the interpreter) under forward-mode AD gave zero tangents without a word."""
+    logits, labels = torch.randn(6, 5), torch.tensor([0, 1, 2, 3, 4, 0])
+    ops = {
+        "route": lambda t: F.route(t, 2, impl="triton").weights.sum(),
+        "cross_entropy": lambda t: F.cross_entropy(t, labels, impl="triton"),
+        "apply_rope": lambda t: F.apply_rope(t.reshape(6, 1, 5)[..., :4], *F.rope_cos_sin(torch.arange(6), F.rope_inv_freq(4)), impl="triton").sum(),
+    }
+    said = "forward-mode AD" if transform == "jvp" else "a torch.func transform"
+    for name, op in ops.items():
+        with pytest.raises(ValueError, match=f"impl='triton': the kernels have a backward alone, which {said}"):
+            if transform == "jvp":
+                torch.func.jvp(op, (logits,), (torch.ones_like(logits),))
+            else:
+                torch.func.grad(op)(logits)
+        op(logits)  # outside a transform: the kernels
+
+
+def test_linear_cross_entropy_s_kernels_refuse_a_double_backward():
+    """A gradient penalty through the Triton linear_cross_entropy got gradients without a graph: the penalty's share of
+    the weights' gradient was lost without a word. The reference's double backward is right."""
+    h, w, labels = torch.randn(7, 6, requires_grad=True), torch.randn(11, 6, requires_grad=True), torch.randint(0, 11, (7,))
+    with pytest.raises(RuntimeError, match=r"a double backward \(create_graph=True, a gradient penalty\) needs impl='torch'"):
+        torch.autograd.grad(F.linear_cross_entropy(h, w, labels, impl="triton"), h, create_graph=True)
+    (gh,) = torch.autograd.grad(F.linear_cross_entropy(h, w, labels, impl="triton"), h)  # a first-order gradient still
+    (ref_gh,) = torch.autograd.grad(torch.nn.functional.cross_entropy(h @ w.T, labels), h, create_graph=True)
+    torch.testing.assert_close(gh, ref_gh.detach())
+    (gh,) = torch.autograd.grad(F.linear_cross_entropy(h, w, labels, impl="torch"), h, create_graph=True)
+    penalty, ref_penalty = gh.square().sum(), ref_gh.square().sum()
+    torch.testing.assert_close(torch.autograd.grad(penalty, w)[0], torch.autograd.grad(ref_penalty, w)[0])
+
+
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_vmap_over_route_with_its_nan_check(impl):
+    """route's NaN check read values, which vmap cannot ("data-dependent control flow"): it is passed over there, as
+    under torch.compile."""
+    logits = torch.randn(3, 5, 4)
+    mapped = torch.func.vmap(lambda t: F.route(t, 2, impl=impl).weights)(logits)
+    torch.testing.assert_close(mapped, torch.stack([F.route(t, 2, impl=impl).weights for t in logits]))
+    with pytest.raises(ValueError, match="NaN logits cannot be routed"):  # outside vmap it is checked
+        F.route(torch.full((2, 4), float("nan")), 2, impl=impl)
