@@ -327,17 +327,21 @@ class GroupedExperts(nn.Module):
 class KeepsFloat32(nn.Module):
     """A module whose tensors named in _FLOAT32 stay float32 when it is cast (`.to(torch.
     bfloat16)`, `.half()`): they are restored from their float32 values (on the new device),
-    not from a rounded copy."""
+    not from a rounded copy, and so are their gradients (a float32 router with a bf16 .grad
+    accumulated its next gradients in bf16, and torch's AdamW refused it)."""
 
     _FLOAT32: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
-        kept = {n: getattr(self, n).data for n in self._FLOAT32 if getattr(self, n, None) is not None}
+        # .data: the values themselves (the cast swaps the tensor's and its grad's data in place)
+        kept = {n: (t.data, None if t.grad is None else t.grad.data) for n in self._FLOAT32 if (t := getattr(self, n, None)) is not None}
         super()._apply(fn, recurse)
-        for name, data in kept.items():
+        for name, (data, grad) in kept.items():
             t = getattr(self, name)
             if t.dtype != torch.float32:
                 t.data = data.to(device=t.device)
+            if t.grad is not None and t.grad.dtype != t.dtype:
+                t.grad = grad.to(device=t.device)
         return self
 
 

@@ -3529,3 +3529,21 @@ def test_a_low_precision_rms_norm_keeps_its_input_alone_for_the_backward(zero_ce
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2 if a.dtype == torch.bfloat16 else 1e-5, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5)
+
+
+
+def test_a_cast_keeps_the_float32_tensors_gradients_float32():
+    """A cast of a module holding gradients (no zero_grad before it) left the float32 router with a bf16 .grad: its next
+    gradients accumulated in bf16, and torch's AdamW refused the step ("expected dtype float for `end`")."""
+    layer = fmoe.model.MoE(16, 8, fmoe.layers.MoEConfig(n_experts=4, k=2), shared_ffn=8, router_bias=True)
+    layer(torch.randn(6, 16))[0].square().sum().backward()
+    before = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.to(torch.bfloat16)
+    for name in ("router", "router_bias"):
+        p = getattr(layer, name)
+        assert p.dtype == p.grad.dtype == torch.float32, name
+        assert torch.equal(p.grad, before[name]), name  # the float32 values, not a bf16 rounding of them
+    assert layer.experts.w_up.grad.dtype == torch.bfloat16  # the rest follows the cast, as torch's modules
+    layer(torch.randn(6, 16, dtype=torch.bfloat16))[0].float().square().sum().backward()
+    assert layer.router.grad.dtype == torch.float32
+    torch.optim.AdamW(layer.parameters(), lr=1e-3).step()
