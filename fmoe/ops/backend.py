@@ -92,6 +92,9 @@ def transform_of(*tensors) -> str | None:
     int) is passed over; None while torch.compile traces (its graphs hold no such tensors)."""
     if torch.compiler.is_compiling():
         return None
+    # no dual level entered and no torch.func transform running: nothing to look for (an optimizer's thousands of tensors)
+    if getattr(forward_ad, "_current_level", 0) < 0 and torch._C._functorch.peek_interpreter_stack() is None:
+        return None
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
