@@ -141,3 +141,23 @@ def test_vmap_over_route_with_its_nan_check(impl):
     torch.testing.assert_close(mapped, torch.stack([F.route(t, 2, impl=impl).weights for t in logits]))
     with pytest.raises(ValueError, match="NaN logits cannot be routed"):  # outside vmap it is checked
         F.route(torch.full((2, 4), float("nan")), 2, impl=impl)
+
+
+@pytest.mark.gpu
+def test_auto_takes_the_reference_on_cuda_under_forward_mode_ad_and_func_grad():
+    """On CUDA "auto" runs the kernels, whose forward-mode tangents would be zeros: under jvp and torch.func.grad it
+    takes the reference, the same tangents and gradients as impl='torch'."""
+    logits, labels = torch.randn(64, 16, device="cuda"), torch.randint(0, 16, (64,), device="cuda")
+    ops = {
+        "route": lambda impl: lambda t: F.route(t, 4, impl=impl).weights,
+        "cross_entropy": lambda impl: lambda t: F.cross_entropy(t, labels, impl=impl),
+        "z_loss": lambda impl: lambda t: F.z_loss(t, impl=impl),
+    }
+    tangent = torch.randn_like(logits)
+    for name, op in ops.items():
+        _, auto = torch.func.jvp(op("auto"), (logits,), (tangent,))
+        _, ref = torch.func.jvp(op("torch"), (logits,), (tangent,))
+        torch.testing.assert_close(auto, ref, msg=name)
+        assert ref.abs().amax() > 0, name
+        loss = lambda impl: lambda t: op(impl)(t).float().square().sum()  # noqa: E731
+        torch.testing.assert_close(torch.func.grad(loss("auto"))(logits), torch.func.grad(loss("torch"))(logits), msg=name)
