@@ -440,13 +440,20 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
         this rank's refusal comes out.
     Without torchrun's store (another launcher setting RANK and WORLD_SIZE) such a rank holds
     its refusal back for `wait` seconds, for the launcher to end it once rank 0 has failed.
+    An ImportError of a missing extra (its message names the command: "pip install
+    'fmoe[...]'") is such a refusal too: its message alone, not two chained tracebacks.
     Exit status 0 (SystemExit(None) or (0), a --help) and every other exception pass at once.
     """
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
         raise ValueError(f"wait: expected seconds >= 0, got {wait!r}")
     rank, world = (_environ_int(name, default) for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")))
     try:
-        main(argv)
+        try:
+            main(argv)
+        except ImportError as err:
+            if "pip install 'fmoe[" not in str(err):
+                raise
+            raise SystemExit(f"error: {err}") from None
     except SystemExit as stop:
         if world <= 1 or stop.code in (None, 0):
             raise

@@ -192,6 +192,23 @@ def test_a_refusal_is_held_back_on_ranks_other_than_0(monkeypatch, rank, world, 
         run_script(lambda argv: {}["x"], [], wait=5)
 
 
+def test_a_missing_extra_is_said_in_one_line():
+    """A script that needs an extra (safetensors for an HF folder) printed two chained tracebacks; the library's
+    ImportError naming the pip command is a refusal, its message alone. Another ImportError is not touched."""
+    def needs_extra(argv):
+        try:
+            import fmoe_no_such_module  # noqa: F401
+        except ImportError as err:
+            raise ImportError("fmoe.hf reads Hugging Face checkpoints with the safetensors package: pip install 'fmoe[hf]'") from err
+
+    with pytest.raises(SystemExit) as stop:
+        run_script(needs_extra, [], wait=5)
+    assert stop.value.code == "error: fmoe.hf reads Hugging Face checkpoints with the safetensors package: pip install 'fmoe[hf]'"
+    assert stop.value.__cause__ is None and stop.value.__suppress_context__
+    with pytest.raises(ModuleNotFoundError, match="fmoe_no_such_module"):
+        run_script(lambda argv: __import__("fmoe_no_such_module"), [], wait=5)
+
+
 @pytest.fixture
 def launch_store(monkeypatch):
     """A store where torchrun's agent keeps its own, and the environment torchrun gives its ranks."""
