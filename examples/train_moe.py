@@ -474,6 +474,17 @@ def _tokenizer_named(path) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    """One run of the command line argv. The out_dir's lock is released when it ends, however it ends: a refusal's
+    exception (its traceback holds this run's frame) kept it held until a garbage collection."""
+    locks = []
+    try:
+        _run(argv, locks)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _run(argv: list[str], locks: list) -> None:
     cfg = parse_args(argv)
     hf_type = None
     if cfg.init_from_hf:  # the released model's own config: fine-tuning or continued pre-training
@@ -588,10 +599,10 @@ def main(argv: list[str]) -> None:
     # a new run in a folder of an earlier run's checkpoints: they would mix with this run's (each rank looks: one
     # node alone seeing them stops every rank at once, not that rank alone a minute after the others went on)
     # one run at a time in an out_dir: rank 0 holds it (before a resume's cleanup of partial checkpoints, another run's included)
-    held, out_dir_lock = None, None  # the lock lives as long as this function: the run
+    held = None  # the lock lives as long as the run (main releases it)
     if rank == 0:
         try:
-            out_dir_lock = OutDirLock(cfg.out_dir)
+            locks.append(OutDirLock(cfg.out_dir))
         except ValueError as err:  # OutDirInUse, or a directory that cannot be written
             held = str(err)
         for name in ("config.json", "metrics.jsonl"):  # refused before anything is written through them
