@@ -360,11 +360,19 @@ def _disk_full_named(tmp: Path):
                               f"into {tmp.name} failed as the save did, {type(err).__name__}); the earlier checkpoints are kept") from err
             finally:
                 probe.unlink(missing_ok=True)
-            err.add_note(f"fmoe: while saving {step} in {tmp.parent} (left as {tmp.name}; the earlier checkpoints are kept)")
+            _add_note(err, f"fmoe: while saving {step} in {tmp.parent} (left as {tmp.name}; the earlier checkpoints are kept)")
             raise
         raise OSError(errno.ENOSPC, f"no space left to save {tmp.name.removesuffix('.tmp')} in {tmp.parent}: {free:,} bytes free after "
                       f"{written:,} bytes of it were written ({type(err).__name__}); the earlier checkpoints are kept, and a save needs room "
                       "for one more beside them (the run's --keep_last), so free space or keep fewer") from err
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    """err.add_note(note) where Python has it (3.11 on); on 3.10 the error passes without it (the call itself raised
+    an AttributeError in its place, which train_moe's `except OSError` then missed)."""
+    add = getattr(err, "add_note", None)
+    if add is not None:
+        add(note)
 
 
 def _empty(optimizers: Sequence[torch.optim.Optimizer]) -> None:
