@@ -553,7 +553,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in _METADATA_GLOBALS and not dtype:
             raise _refused(self.path, [f"{module}.{name}"])
-        return super().find_class(module, name)
+        # Python 3.13 pickles paths as pathlib._local's, a module older Pythons lack ("a damaged checkpoint?"); pathlib
+        # holds the same classes in every version
+        return super().find_class("pathlib" if module == "pathlib._local" else module, name)
 
 
 class _SafeReader(dcp.FileSystemReader):

@@ -1129,6 +1129,22 @@ def test_a_metadata_file_that_would_run_code_is_refused_without_running_it(tmp_p
     assert not marker.exists()
 
 
+def test_a_checkpoint_saved_under_python_3_13_is_read_by_older_pythons(tmp_path):
+    """Python 3.13 pickles the path in DCP's .metadata as pathlib._local.PosixPath, a module Python 3.10 to 3.12 lack:
+    such a checkpoint read there was "a damaged or incomplete checkpoint?". Here a .metadata written as 3.13 writes it."""
+    import pickle
+
+    model, opts, path = _saved_with_extra(tmp_path)
+    meta = path / ".metadata"
+    plain = pickle.dumps(pickle.loads(meta.read_bytes()), protocol=2)  # its globals as text: "c<module>\n<name>\n"
+    assert plain.count(b"cpathlib\nPosixPath\n") >= 1
+    meta.write_bytes(plain.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n"))
+    fresh, _ = _build()
+    ckpt.load_model(path, model=fresh)
+    assert torch.equal(fresh["head"].weight, model["head"].weight)
+    assert torch.equal(ckpt.ModelTensors(path)["head.weight"], model["head"].weight)
+
+
 def test_an_extra_file_that_would_run_code_is_refused_without_running_it(tmp_path):
     """extra_rank<r>.pt was read with torch.load(weights_only=False): a crafted one ran its code
     on load (--resume). It is read with weights_only=True (numpy's generator state allowed): a
