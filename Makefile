@@ -20,7 +20,7 @@ CPU_PINS := torch==2.13.0 triton==3.7.1
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if $(PY) -c "import torch, triton, einops, tensordict, pytest, xdist, matplotlib, safetensors, transformers, tokenizers, pyarrow, tensorboard, jinja2, fmoe" 2>/dev/null; then \
+	@if $(PY) -c "import sys, torch, triton, einops, tensordict, pytest, xdist, matplotlib, safetensors, tokenizers, pyarrow, tensorboard, jinja2, fmoe; sys.version_info < (3, 11) or __import__('transformers')" 2>/dev/null; then \
 		echo "setup: $(VENV) already has everything"; \
 	else \
 		if nvidia-smi -L >/dev/null 2>&1; then pins="torch triton"; else pins="$(CPU_PINS)"; fi; \
