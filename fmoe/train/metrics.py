@@ -372,6 +372,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
 
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
+    lacking = [n for n in (*names, "n_shared") if not hasattr(cfg, n)]
+    if lacking:  # None, a dict: "'NoneType' object has no attribute 'n_dense'"
+        raise ValueError(f"cfg: expected a fmoe.model.TransformerConfig (or an object with its fields), got {type(cfg).__name__} "
+                         f"without {', '.join(lacking)}")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
     mlp_free = sum(getattr(cfg, "is_mlp_free", lambda i: False)(i) for i in range(cfg.n_layers))  # blocks without an MLP
@@ -529,6 +533,8 @@ def active_parameters(model) -> int:
     it is an upper bound. Everything else counts whole (embeddings, shared experts, routers,
     a mixture of attention heads' heads). model: a fmoe.model.Transformer (any device,
     meta included) or a module with the same moe_layers()."""
+    if not callable(getattr(model, "moe_layers", None)) or not callable(getattr(model, "parameters", None)):
+        raise ValueError(f"model: expected a fmoe.model.Transformer (or a module with its moe_layers()), got {type(model).__name__}")
     total = sum(p.numel() for p in model.parameters())
     for name, moe in model.moe_layers().items():
         n_experts, k = moe.cfg.n_experts, moe.cfg.k

@@ -680,6 +680,18 @@ def test_active_parameters_from_the_routed_experts_shapes():
     with torch.device("meta"):
         model = Transformer(TransformerConfig(**{**base, "k": 4}))
     assert M.active_parameters(model) == sum(p.numel() for p in model.parameters())
+    for bad in (None, torch.nn.Linear(2, 2), model.cfg):  # AttributeErrors naming no argument
+        with pytest.raises(ValueError, match=rf"model: expected a fmoe.model.Transformer \(or a module with its moe_layers\(\)\), got {type(bad).__name__}"):
+            M.active_parameters(bad)
+
+
+def test_model_flops_per_token_refuses_what_is_not_a_model_config():
+    """None or a dict gave "'NoneType' object has no attribute 'n_dense'"."""
+    for bad, lacking in ((None, "hidden, n_layers"), ({"hidden": 64}, "hidden, n_layers"),
+                         (dataclasses.make_dataclass("C", ["hidden", "n_layers"])(64, 2), "without ffn_dense, ffn_expert")):
+        with pytest.raises(ValueError, match=rf"cfg: expected a fmoe.model.TransformerConfig \(or an object with its fields\), "
+                                             rf"got {type(bad).__name__} .*{lacking}.*n_shared"):
+            M.model_flops_per_token(bad, n_avg_keys=10.0)
 
 
 def test_model_flops_per_token_reads_the_model_config():
