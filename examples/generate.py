@@ -71,6 +71,7 @@ import fmoe.parallel as parallel
 from fmoe.model import KVCache, Transformer
 from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
+from fmoe.ops.checks import MissingExtra
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
 from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_path, run_script
 
@@ -276,7 +277,7 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     try:
         from tokenizers import Tokenizer
     except ImportError as err:
-        raise ImportError(f"{tokenizer}: the model's tokenizer is read with the Hugging Face tokenizers package: "
+        raise MissingExtra(f"{tokenizer}: the model's tokenizer is read with the Hugging Face tokenizers package: "
                           "pip install 'fmoe[data]' (or tokenizers)") from err
     tok = Tokenizer.from_file(str(tokenizer))
     tok.no_truncation()  # a prompt is encoded whole and unpadded, whatever the tokenizer.json says

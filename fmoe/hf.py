@@ -267,6 +267,7 @@ import torch
 
 from fmoe.layers import PLAIN_ACTS, XIELU, lightning_decay
 from fmoe.model import Transformer, TransformerConfig, local_block
+from fmoe.ops.checks import MissingExtra
 from fmoe.ops.rope import yarn_mscale
 
 
@@ -6761,7 +6762,7 @@ def safetensors_module(name: str = "safetensors"):
     try:
         return importlib.import_module(name)
     except ImportError as err:
-        raise ImportError("fmoe.hf reads and writes Hugging Face checkpoints with the safetensors package: "
+        raise MissingExtra("fmoe.hf reads and writes Hugging Face checkpoints with the safetensors package: "
                           "pip install 'fmoe[hf]' (or safetensors)") from err
 
 

@@ -30,6 +30,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class MissingExtra(ImportError):
+    """A package of one of fmoe's extras (hf, data, plots, tensorboard) missing or too old; the
+    message names its pip command. The scripts (fmoe.train.run.run_script) say it in one line."""
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 

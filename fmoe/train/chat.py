@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional, Union
 
-from fmoe.ops.checks import check_path
+from fmoe.ops.checks import MissingExtra, check_path
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 NAMED_TEMPLATES_DIR = "additional_chat_templates"  # <name>.jinja beside chat_template.jinja (transformers 5's layout)
@@ -121,7 +121,7 @@ def check_jinja2(version: str) -> None:
     comes from a model folder, and an older sandbox lets such a template escape it."""
     numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
     if numbers < SANDBOX_JINJA2:
-        raise ImportError(f"jinja2 {version}: chat templates run in jinja2's sandbox, whose fixes need jinja2 3.1.6 or newer: "
+        raise MissingExtra(f"jinja2 {version}: chat templates run in jinja2's sandbox, whose fixes need jinja2 3.1.6 or newer: "
                           "pip install 'fmoe[data]' (or 'jinja2>=3.1.6')")
 
 

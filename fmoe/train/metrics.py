@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from fmoe.ops import load_stats
-from fmoe.ops.checks import check_cu_seqlens, check_path, check_positive_int
+from fmoe.ops.checks import MissingExtra, check_cu_seqlens, check_path, check_positive_int
 from fmoe.train.run import refuse_link
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
@@ -784,7 +784,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter as summary_writer
             except ImportError as err:
-                raise ImportError("tensorboard: needs the tensorboard package: pip install 'fmoe[tensorboard]'") from err
+                raise MissingExtra("tensorboard: needs the tensorboard package: pip install 'fmoe[tensorboard]'") from err
         out_dir.mkdir(parents=True, exist_ok=True)
         refuse_link(self.path)
         kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] < start_step]

@@ -27,6 +27,7 @@ import re
 import sys
 from pathlib import Path
 
+from fmoe.ops.checks import MissingExtra
 from fmoe.train.metrics import read_metrics
 
 # keys sharing an axis; mtp_*_loss: each MTP depth's (the loop's mtp_1_loss, mtp_2_loss, ...)
@@ -42,7 +43,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError("fmoe.train.plot needs matplotlib: pip install 'fmoe[plots]' (or matplotlib>=3.8)") from e
+        raise MissingExtra("fmoe.train.plot needs matplotlib: pip install 'fmoe[plots]' (or matplotlib>=3.8)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -117,7 +117,7 @@ from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 
-from fmoe.ops.checks import check_path, check_positive_int
+from fmoe.ops.checks import MissingExtra, check_path, check_positive_int
 from fmoe.train.chat import TOOLS_FIELD, TRAINED_ROLE, json_object, load_chat_template
 from fmoe.train.data import FILE_DTYPES, MASK_SUFFIX, SUFFIX_DTYPES, index_path, list_text_files
 
@@ -146,7 +146,7 @@ def _load_tokenizer(path: Path):
     try:
         import tokenizers
     except ImportError as err:
-        raise ImportError("fmoe.train.prepare needs the Hugging Face tokenizers package: "
+        raise MissingExtra("fmoe.train.prepare needs the Hugging Face tokenizers package: "
                           "pip install 'fmoe[data]' (or tokenizers)") from err
     if path.is_dir():
         raise ValueError(f"tokenizer: {str(path)!r} is a directory; expected its tokenizer.json file")
@@ -325,7 +325,7 @@ def _parquet_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
-        raise ImportError(f"src: {str(path)!r} is a Parquet file, which needs the pyarrow package: pip install 'fmoe[data]' (or pyarrow)") from err
+        raise MissingExtra(f"src: {str(path)!r} is a Parquet file, which needs the pyarrow package: pip install 'fmoe[data]' (or pyarrow)") from err
     try:
         table = pq.ParquetFile(path)
     except Exception as err:  # pyarrow's own error types

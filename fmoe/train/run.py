@@ -64,7 +64,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 import fmoe
-from fmoe.ops.checks import check_path
+from fmoe.ops.checks import MissingExtra, check_path
 
 
 def set_deterministic(enabled: bool = True) -> None:
@@ -440,8 +440,8 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
         this rank's refusal comes out.
     Without torchrun's store (another launcher setting RANK and WORLD_SIZE) such a rank holds
     its refusal back for `wait` seconds, for the launcher to end it once rank 0 has failed.
-    An ImportError of a missing extra (its message names the command: "pip install
-    'fmoe[...]'") is such a refusal too: its message alone, not two chained tracebacks.
+    A missing extra (fmoe.ops.checks.MissingExtra, naming its pip command) is such a refusal
+    too: its message alone, not two chained tracebacks.
     Exit status 0 (SystemExit(None) or (0), a --help) and every other exception pass at once.
     """
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
@@ -450,9 +450,7 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
     try:
         try:
             main(argv)
-        except ImportError as err:
-            if "pip install 'fmoe[" not in str(err):
-                raise
+        except MissingExtra as err:
             raise SystemExit(f"error: {err}") from None
     except SystemExit as stop:
         if world <= 1 or stop.code in (None, 0):

@@ -194,12 +194,14 @@ def test_a_refusal_is_held_back_on_ranks_other_than_0(monkeypatch, rank, world, 
 
 def test_a_missing_extra_is_said_in_one_line():
     """A script that needs an extra (safetensors for an HF folder) printed two chained tracebacks; the library's
-    ImportError naming the pip command is a refusal, its message alone. Another ImportError is not touched."""
+    MissingExtra (naming the pip command) is a refusal, its message alone. Another ImportError is not touched."""
+    from fmoe.ops.checks import MissingExtra
+
     def needs_extra(argv):
         try:
             import fmoe_no_such_module  # noqa: F401
         except ImportError as err:
-            raise ImportError("fmoe.hf reads Hugging Face checkpoints with the safetensors package: pip install 'fmoe[hf]'") from err
+            raise MissingExtra("fmoe.hf reads Hugging Face checkpoints with the safetensors package: pip install 'fmoe[hf]'") from err
 
     with pytest.raises(SystemExit) as stop:
         run_script(needs_extra, [], wait=5)
