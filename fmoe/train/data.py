@@ -916,6 +916,9 @@ class Sampler:
             self.offset += take
             if self.offset == self.dataset.doc_len(doc):
                 self.index, self.offset = self.index + 1, 0
+                # and past the empty documents after it: an epoch whose last documents are empty ends with its last token
+                while self.index < len(self.dataset) and not self.dataset.doc_len(int(self._order[self.index])):
+                    self.index += 1
                 if self.index == len(self.dataset):
                     self.epoch, self.index = self.epoch + 1, 0
                     self._order = self._epoch_order(self.epoch)

@@ -308,6 +308,15 @@ def test_empty_documents_are_passed_over_and_a_dataset_of_only_empty_ones_refuse
     fresh = Sampler(ds, 4, seed=0, shuffle=False)
     fresh.load_state_dict(at_empty)
     assert fresh.next_batch()["input_ids"].tolist() == [4, 5, 6, 1]
+    # the epoch turns with its last token, not a batch later when its last documents are empty
+    ends = Sampler(ds, 6, seed=0, shuffle=False)
+    assert ends.next_batch()["input_ids"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert (ends.epoch, ends.index, ends.offset) == (1, 0, 0) and ends.state_dict()["epoch"] == 1
+    assert ds.stored_batches(6).__next__()["input_ids"].tolist() == [1, 2, 3, 4, 5, 6] and len(list(ds.stored_batches(6))) == 1
+    assert len(list(ds.stored_batches(3))) == 2 and len(list(ds.stored_batches(4))) == 1
+    shuffled = Sampler(ds, 6, seed=5)
+    for epoch in range(1, 4):
+        assert sorted(shuffled.next_batch()["input_ids"].tolist()) == [1, 2, 3, 4, 5, 6] and shuffled.epoch == epoch
     empty = TokenDataset(np.zeros(0, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), None, vocab_size=10, eos=None)
     with pytest.raises(ValueError, match="dataset: its 2 documents are all empty"):
         Sampler(empty, 4, seed=0)
