@@ -166,6 +166,15 @@ def lr_at(
     return min_lr * (1.0 - c) + max_lr * c  # = min + c (max - min), exactly max_lr at c = 1
 
 
+class _ResumingLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose load_state_dict also sets the groups' lr to the loaded step's."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
+            group["lr"] = lr
+
+
 def lr_scheduler(optimizer: torch.optim.Optimizer, **lr_at_kwargs) -> torch.optim.lr_scheduler.LambdaLR:
     """A torch LambdaLR that follows `lr_at(step, **lr_at_kwargs)`.
 
@@ -174,7 +183,10 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, **lr_at_kwargs) -> torch.opti
     (to rounding), and a group created with lr = s * max_lr follows s * lr_at: the way to
     give, say, embeddings half the lr on the same schedule. Call `scheduler.step()` after
     each `optimizer.step()`; the optimizer's first step then uses lr_at(0). The arguments are
-    checked here, not at the first step.
+    checked here, not at the first step. `load_state_dict` (a resume) also sets the groups'
+    lr to the loaded step's, as torch's LambdaLR does not: an optimizer whose state was
+    loaded without its lr (fmoe.train.checkpoint.load with knobs="held", train_moe's)
+    otherwise took its first resumed step at the schedule's start.
 
     >>> model = torch.nn.Linear(2, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=3e-4)
@@ -184,7 +196,7 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, **lr_at_kwargs) -> torch.opti
     """
     lr_at(0, **lr_at_kwargs)  # raise the ValueError now, with the argument's name
     max_lr = lr_at_kwargs["max_lr"]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **lr_at_kwargs) / max_lr)
+    return _ResumingLambdaLR(optimizer, lambda step: lr_at(step, **lr_at_kwargs) / max_lr)
 
 
 # ---------------------------------------------------------------------------- batch size

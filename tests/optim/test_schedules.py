@@ -249,6 +249,44 @@ def test_lr_scheduler_reproduces_lr_at():
         sched.step()
 
 
+def test_lr_scheduler_resumes_at_the_loaded_step_s_lr(tmp_path):
+    """torch's LambdaLR.load_state_dict leaves the groups' lr alone: with the optimizer's state
+    loaded without its knobs (checkpoint.load(knobs="held"), what train_moe passes), the first
+    resumed step ran at the fresh scheduler's lr_at(0), 0 in the warmup. Now the loaded
+    step's, each group's own scale kept; the steps after follow the uninterrupted run."""
+    from fmoe.optim import AdamW
+    from fmoe.train import checkpoint
+
+    kw = dict(max_lr=1e-2, min_lr=1e-3, total=10, warmup=2, style="cosine")
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 5e-3}], lr=1e-2)
+        return model, opt, lr_scheduler(opt, **kw)
+
+    def steps(model, opt, sched, n):
+        lrs = []
+        for _ in range(n):
+            model(torch.ones(2, 4)).square().sum().backward()
+            lrs.append([g["lr"] for g in opt.param_groups])
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return lrs
+
+    model, opt, sched = build()
+    steps(model, opt, sched, 5)
+    checkpoint.save(tmp_path, 5, model=model, optimizers=[opt], extra={"sched": sched.state_dict()})
+    after = steps(model, opt, sched, 3)
+    assert after[0] == pytest.approx([lr_at(5, **kw), lr_at(5, **kw) / 2], rel=1e-14)
+    for knobs in ("held", "saved"):
+        resumed, ropt, rsched = build()
+        extra = checkpoint.load(tmp_path, model=resumed, optimizers=[ropt], knobs=knobs)
+        rsched.load_state_dict(extra["sched"])
+        assert steps(resumed, ropt, rsched, 3) == after and torch.equal(resumed.weight, model.weight), knobs
+
+
 def test_lr_scheduler_checks_arguments_at_construction():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     _raises("wsd_decay:", lr_scheduler, opt, max_lr=1.0, total=10, warmup=5, style="wsd", wsd_decay=6)
