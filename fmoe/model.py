@@ -166,6 +166,11 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(full[block])
 
 
+# torch's norms, which a model of one's own may hold: init_parameters starts them as torch does (gain 1, bias 0)
+TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: Optional["TransformerConfig"], seed: Optional[int] = None, prefix: str = "",
                     recurse: bool = True) -> None:
@@ -186,10 +191,15 @@ def init_parameters(module: nn.Module, cfg: Optional["TransformerConfig"], seed:
     zero_centered = {m + ".weight": sub.zero_centered for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, RMSNorm)}
     streams = {m: sub.n for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, HyperConnection)}
     tables = {m + ".hash_table": sub.cfg.n_experts for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, MoE)}
+    # torch's norms in a model of one's own (a subclass's nn.LayerNorm named final_ln): as torch starts them, whatever their names
+    torch_norms = {m: sub for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, TORCH_NORMS) and (recurse or sub is module)}
     for name, p in module.named_parameters(prefix=prefix, recurse=recurse):
         if p.is_meta:
             continue
         mixer, _, leaf = name.rpartition(".")
+        if mixer in torch_norms or leaf == "bias":  # a norm's gain 1, every bias 0 (an nn.Linear's of one's own)
+            _local(p).fill_(1.0 if leaf == "weight" else 0.0)
+            continue
         if mixer in mixers and leaf in ("dt_bias", "A_log"):
             copy_full_value(p, _mixer_start(mixers[mixer], leaf, lambda: torch.special.ndtr(init_value(seed, name, p.shape, 1.0)), p.shape))
             continue
@@ -232,6 +242,9 @@ def init_parameters(module: nn.Module, cfg: Optional["TransformerConfig"], seed:
             b.copy_(random_hash_table(*b.shape, tables[name], name_generator(seed, name)))
         if name.endswith("layer_scalar") and not b.is_meta:
             b.fill_(1.0)
+    for sub in torch_norms.values():  # a batch norm's running statistics
+        if hasattr(sub, "reset_running_stats") and not any(b.is_meta for b in sub.buffers(recurse=False)):
+            sub.reset_running_stats()
 
 
 class DenseMLP(nn.Module):
@@ -2860,7 +2873,11 @@ class Transformer(nn.Module):
         float32 (MoE owns it). A hashed MoE's table (hash_layers): random_hash_table of a
         generator seeded by (seed, its name).
         Hyper-connections (HyperConnection): fn Normal(0, init_std), scale 0.01, the pre
-        biases -log(n - 1), the others 0.
+        biases -log(n - 1), the others 0. A model of one's own (a subclass holding torch
+        modules) starts by the same rules: torch's norms (TORCH_NORMS, whatever their names)
+        gain 1, bias 0 and fresh running statistics, every parameter named bias 0, any other
+        Normal(0, init_std); a subclass that wants other starts overrides reset_parameters,
+        calling this one first (fmoe.parallel.materialize calls the override).
 
         The values are a function of `seed` and each parameter's name only (init_value), so
         the full weights are the same bit for bit on any mesh: a parameter that is a DTensor

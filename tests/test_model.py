@@ -1108,6 +1108,47 @@ def test_init_scales_output_projections_and_zeroes_biases():
     assert torch.equal(block.mlp.expert_bias, torch.zeros(TINY.n_experts))
 
 
+class _OwnModel(Transformer):
+    """A model of one's own: the reference with torch modules added under names no rule of fmoe's reads."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.final_ln = torch.nn.LayerNorm(cfg.hidden)
+        self.probe = torch.nn.Linear(cfg.hidden, 3)
+        self.stats = torch.nn.BatchNorm1d(3)
+        self.groups = torch.nn.GroupNorm(2, 4)
+
+
+def test_a_model_of_one_s_own_starts_its_torch_norms_at_1_and_every_bias_at_0():
+    """reset_parameters (which train_moe and fmoe.parallel.materialize call) started a
+    subclass's nn.LayerNorm named final_ln with a gain of Normal(0, 0.02) and its nn.Linear's
+    bias random: the rules read names ending in "norm.weight" or fmoe's bias names only.
+    torch's norms now start as torch starts them, whatever their names, and every bias 0, as
+    the docstring says; built on the meta device and materialised, the same; the reference's
+    own parameters are unchanged (the same as a plain Transformer's)."""
+    torch.manual_seed(3)
+    model = _OwnModel(TINY)
+    model.stats.running_mean.fill_(5.0)
+    model.reset_parameters(seed=7)
+    with torch.device("meta"):
+        meta = _OwnModel(TINY)
+    meta.to_empty(device="cpu")
+    for t in meta.state_dict().values():
+        t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+    meta.reset_parameters(seed=7)
+    for m in (model, meta):
+        for norm in (m.final_ln, m.stats, m.groups):
+            assert torch.equal(norm.weight, torch.ones_like(norm.weight)) and torch.equal(norm.bias, torch.zeros_like(norm.bias))
+        assert torch.equal(m.stats.running_mean, torch.zeros(3)) and torch.equal(m.stats.running_var, torch.ones(3))
+        assert int(m.stats.num_batches_tracked) == 0 and torch.equal(m.probe.bias, torch.zeros(3))
+        assert abs(float(m.probe.weight.detach().std()) - TINY.init_std) < 0.01  # a matrix: Normal(0, init_std), as the docstring says
+    plain = Transformer(TINY)
+    plain.reset_parameters(seed=7)
+    own = model.state_dict()
+    assert all(torch.equal(t, own[n]) for n, t in plain.state_dict().items())
+    assert all(torch.equal(t, own[n]) for n, t in meta.state_dict().items())
+
+
 def _garbage_in_the_allocator():
     """Leave freed memory full of NaN and huge numbers, as a long-running process's is."""
     for value in (float("nan"), 3e38, -1e30):
