@@ -298,6 +298,16 @@ TRAINING_KNOBS = ("whole_documents", "tokens_per_micro_batch", "batch_schedule",
                   "bias_rate", "bias_update", "adamw_state_dtype", "ns_dtype", "weight_decay", "decay_embeddings", "clip", "dtype")
 
 
+def _add_logged(record: dict, logged: dict) -> None:
+    """Add a micro-batch's logged values into the step's record, each key one the record
+    holds from the step's start (every rank then sums the same keys in one collective)."""
+    for name, value in logged.items():
+        if name not in record:
+            raise KeyError(f"{name!r}: a logged value that the step's record lacks; add its key to the record's keys where the step "
+                           f"starts (record = dict.fromkeys([...]))")
+        record[name] = record[name] + value
+
+
 def _trains(names: list[str], train_only) -> set[str]:
     """The parameter names (of the model's trainable `names`) a --train_only regex trains:
     all for "", none for a value that is no regex (a config.json edited by hand)."""
@@ -964,7 +974,11 @@ def _run(argv: list[str], locks: list) -> None:
         """One micro-batch's share of the step's loss (a tensor; None when there is nothing
         to add) and the values to log (tensors), from the model's losses (None on a pipeline
         stage before the last, which adds only its own MoE layers' balancing losses), MoE
-        stats and the model that ran (`part`: the whole model, or a pipeline stage's)."""
+        stats and the model that ran (`part`: the whole model, or a pipeline stage's).
+        The step logs each value summed over its micro-batches and ranks: a value of one's
+        own is logged as this micro-batch's share of the step's (a mean over the micro-batch
+        divided by n_micro, as index_loss is; a sum over its tokens divided by valid["lm"],
+        as lm_loss is), its key added to the record's keys where the step starts (`record`)."""
         loss, logged = None, {}
         if losses is not None:
             loss = losses["lm_sum"] / valid["lm"]
@@ -1055,8 +1069,9 @@ def _run(argv: list[str], locks: list) -> None:
             torch._dynamo.maybe_mark_dynamic(batch["cu_seqlens"], 0)
         return batch
 
-    # each source's validation tokens (host counts, once): the per-source means divide by them
-    val_names = [name for name in corpus.names if name in val_sources]
+    # each source's validation tokens (host counts, once): the per-source means divide by them; the training sources'
+    # order, then those of validation data of its own (a held-out set under another name: left out of val_loss before)
+    val_names = [name for name in corpus.names if name in val_sources] + [name for name in dict.fromkeys(val_sources) if name not in corpus.names]
     val_counts = {name: sum(int(b["loss_mask"].sum()) for b, src in zip(val_batches, val_sources) if src == name) for name in val_names}
 
     @torch.no_grad()
@@ -1141,16 +1156,14 @@ def _run(argv: list[str], locks: list) -> None:
                     step_state.update(valid=valid, n_micro=n_micro)
                     logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
                                                 for i, b in enumerate(mine + [batch_0] * padding)])
-                    for name, value in logged.items():
-                        record[name] = record[name] + value
+                    _add_logged(record, logged)
                 for i, host_batch in enumerate(mine + [batch_0] * padding if pipe is None else []):
                     loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
                     if i >= len(mine):
                         (loss * 0.0).backward()
                         continue
                     loss.backward()
-                    for name, value in logged.items():
-                        record[name] = record[name] + value
+                    _add_logged(record, logged)
                     for name, layer in stats.items():
                         counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
             record["stop_requests"] = torch.tensor(float(stop.reason() is not None), device=device)
@@ -1171,6 +1184,8 @@ def _run(argv: list[str], locks: list) -> None:
                     pipe.sync_tied_grads()
                     counted, copies = pipe.norm_parameters()
                     groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
+                # fmoe.optim's norms: exact over parameters on several meshes (the experts' own), which torch's
+                # clip_grad_norm_ refuses ("must have the same mesh"); grad_factor is fmoe AdamW's (torch's has none)
                 if cfg.optimizer == "adamw":  # the clip's factor goes into AdamW's step: no pass of its own
                     norm = grad_norm(counted, **groups)
                     step_kwargs = dict(grad_factor=clip_factor(norm, cfg.clip))

@@ -199,6 +199,51 @@ def _train_moe():
     return train_moe
 
 
+def test_validation_data_of_one_s_own_counts_under_its_own_names(tmp_path, monkeypatch):
+    """A trainer copied from train_moe that validates on a held-out set of its own: the
+    sources whose names the training corpus lacks were computed, then left out of val_loss
+    (a blend of "train" and "ood" logged "train" alone), and with no name in common the
+    first evaluation stopped the run on torch.stack's "expects a non-empty TensorList"."""
+    from fmoe.train.data import Blend
+
+    tm = _train_moe()
+    stock = tm.load_blend
+
+    class OwnValidation:  # the stock corpus for training; its validation split under other names
+        def __init__(self, blend, names):
+            self.blend, self.val_names = blend, names
+
+        def __getattr__(self, name):
+            return getattr(self.blend, name)
+
+        def split(self, percent):
+            train, val = self.blend.split(percent)
+            return train, Blend([val.datasets[0]] * len(self.val_names), self.val_names, [1.0] * len(self.val_names))
+
+    for names in (["heldout"], [None, "ood"]):
+        monkeypatch.setattr(tm, "load_blend", lambda *a, names=names, **k: OwnValidation(stock(*a, **k), names))
+        out = tmp_path / str(len(names))
+        argv = [f"--out_dir={out}", *TINY, "--steps=2", "--warmup=0", "--eval_every=2", "--eval_batches=4"]
+        if None in names:  # one source the training corpus has, one it has not
+            names[0] = stock(None).names[0]
+        tm.main(argv)
+        record = _records(out)[-1]
+        assert list(record["val_loss_by_source"]) == names and math.isfinite(record["val_loss"])
+        # the same documents under each name: the same mean, and val_loss theirs
+        assert all(v == pytest.approx(record["val_loss"], rel=1e-5) for v in record["val_loss_by_source"].values()), record
+
+
+def test_a_logged_value_the_record_lacks_is_named_with_where_its_key_goes():
+    """A value of one's own logged by micro_batch_loss stopped the step with a bare
+    KeyError('router_entropy'); the message now says where the key is added."""
+    tm = _train_moe()
+    record = {"lm_loss": torch.tensor(1.0)}
+    tm._add_logged(record, {"lm_loss": torch.tensor(0.5)})
+    assert record == {"lm_loss": torch.tensor(1.5)}
+    with pytest.raises(KeyError, match=r"'router_entropy': a logged value that the step's record lacks; add its key to the record's keys"):
+        tm._add_logged(record, {"router_entropy": torch.tensor(0.1)})
+
+
 def test_the_resume_note_names_each_changed_training_knob_and_no_other(tmp_path):
     """_training_changes against the knobs as config.json holds them (write_config: inf as
     "inf"): each training knob changed is named, a --model.* knob of how it trains beside
