@@ -688,15 +688,17 @@ def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, t
     if not bad:
         return
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-    knobs = ""
+    knobs, advice = "", "build the model with the saved one's knobs"
     if isinstance(cfg, TransformerConfig):
         try:
             diff = model_differences(path, cfg)
         except ValueError:  # not in a run directory, or its config.json is not one
-            diff = {}
+            diff = None
         knobs = f"; the saving run's model has {knob_list(diff)}" if diff else ""
-    raise ValueError(f"path: the model of {str(path)!r} differs from this one: {', '.join(bad[:4])}{more}{knobs}; "
-                     "build the model with the saved one's knobs")
+        if diff == {}:  # the same knobs: another class saved it (a model of one's own, a subclass with modules of its own)
+            advice = ("the saving run's model has these knobs: build it as its own class (checkpoint.run_config(path), then "
+                      "load_model(path, model=YourModel(cfg)))")
+    raise ValueError(f"path: the model of {str(path)!r} differs from this one: {', '.join(bad[:4])}{more}{knobs}; {advice}")
 
 
 def _check_config_sizes(path: Path, stored: Mapping, cfg: TransformerConfig) -> None:

@@ -743,6 +743,34 @@ def test_a_model_of_other_knobs_is_refused_by_name_before_anything_is_read(tmp_p
         ckpt.load_model(tmp_path, model=Transformer(TransformerConfig(**{**cfg.__dict__, "mtp_depth": 1})))
 
 
+def test_a_model_of_one_s_own_refused_with_the_run_s_own_knobs_is_told_to_build_its_class(tmp_path):
+    """A subclass with a module of its own, saved in a run directory, loaded into the
+    Transformer its config builds (checkpoint.load_run's way): the refusal said "build the
+    model with the saved one's knobs", which are these; it now says to build its own class."""
+    import json
+
+    from fmoe.model import Transformer, TransformerConfig
+
+    class Probed(Transformer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.router_probe = torch.nn.Linear(cfg.hidden, 1)
+
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1, head_dim=8)
+    own = Probed(cfg)
+    ckpt.save(tmp_path, 1, model=own, optimizers=[torch.optim.SGD(own.parameters(), lr=0.1)])
+    run = {"config": {"model": {n: v for n, v in cfg.__dict__.items() if n not in ("impl", "vocab_size")}}, "vocab_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match=r"router_probe.weight \(saved, not in this model\), router_probe.bias \(saved, not in this model\); "
+                                         r"the saving run's model has these knobs: build it as its own class \(checkpoint.run_config\(path\), "
+                                         r"then load_model\(path, model=YourModel\(cfg\)\)\)$"):
+        ckpt.load_model(tmp_path, model=Transformer(cfg))
+    saved_cfg, _ = ckpt.run_config(tmp_path)
+    again = Probed(saved_cfg)
+    assert ckpt.load_model(tmp_path, model=again) == tmp_path / "step_000001"
+    assert all(torch.equal(v, own.state_dict()[k]) for k, v in again.state_dict().items())
+
+
 def test_a_model_lacking_saved_parameters_is_refused_by_name_before_anything_is_read(tmp_path):
     """Saved with 3 layers and an MTP module, loaded into a model with fewer layers or none:
     load_model and load name the saved tensors the model lacks (four, the rest counted) and
