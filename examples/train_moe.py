@@ -243,6 +243,27 @@ def knob_help() -> str:
     return "\n".join(lines)
 
 
+# the knobs naming files: each rank reads its own copy of them, compared by what they hold (data, model, checkpoints)
+PATH_KNOBS = ("data", "out_dir", "init_from", "init_from_hf", "upcycle_from")
+
+
+def _rank_knobs(cfg: Config) -> str:
+    """The command line's knobs as sorted JSON (--model.* as given, not the model they built;
+    PATH_KNOBS left out): what every rank of a run must share."""
+    knobs = {name: value for name, value in dataclasses.asdict(cfg).items() if name not in ("model", *PATH_KNOBS)}
+    knobs.update({f"model.{name}": value for name, value in cfg.model_overrides.items()})
+    return json.dumps(knobs, sort_keys=True, default=str)
+
+
+def _differing_knobs(every: list) -> str:
+    """The knobs in which the ranks' command lines differ (each rank's _rank_knobs)."""
+    given = [json.loads(k) for k in every]
+    differ = [k for k in sorted({k for g in given for k in g}) if any(g.get(k, "(not given)") != given[0].get(k, "(not given)") for g in given)]
+    return ("the ranks' command lines differ (" + "; ".join(f"rank {r}: " + ", ".join(f"--{k}={g.get(k, '(not given)')}" for k in differ)
+                                                          for r, g in enumerate(given))
+            + "): every rank must run the same one (torchrun: the same command on every node)")
+
+
 def _differing_models(every: list) -> str:
     """The knobs in which the ranks' models (each rank's TransformerConfig as sorted JSON) differ."""
     built = [json.loads(b) for b in every]
@@ -556,7 +577,13 @@ def _run(argv: list[str], locks: list) -> None:
         sys.exit(f"--collective_timeout: expected at most a billion days of minutes, got {cfg.collective_timeout:g}")
     # a process group set up by the caller (several runs in one launch, main called for each) is used and left up
     caller_group = dist.is_initialized()
-    world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))  # an int: run_script checked it
+    # torchrun sets the four; a WORLD_SIZE left in a shell (plain python) made torch's 20-line "RANK expected"
+    missing = [] if caller_group or world == 1 else [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if world < 1 or missing:
+        sys.exit(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} in the environment" + (f" without {', '.join(missing)}" if missing else "")
+                 + ": launch several processes with torchrun (python -m torch.distributed.run --nproc-per-node=N ...), "
+                 "or unset WORLD_SIZE for one")
     has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
     if cfg.tokens_per_micro_batch < cfg.model.mtp_depth + 2:  # fewer: no token has a label at the deepest MTP depth
@@ -604,6 +631,10 @@ def _run(argv: list[str], locks: list) -> None:
         if not caller_group:  # torchrun's ranks, or one process in a group of its own
             dist.init_process_group(backend, **({} if world > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)),
                                     **({"timeout": datetime.timedelta(minutes=cfg.collective_timeout)} if cfg.collective_timeout else {}))
+        # before the first collective that the knobs shape: a rank of another --lr or --seed trained on without a word, one
+        # of other --steps or --ep hung in a collective of its own
+        if refusal := every_rank(None, _rank_knobs(cfg), _differing_knobs)[0]:
+            sys.exit(refusal)
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     # a new run in a folder of an earlier run's checkpoints: they would mix with this run's (each rank looks: one

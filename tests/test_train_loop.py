@@ -244,6 +244,37 @@ def test_a_logged_value_the_record_lacks_is_named_with_where_its_key_goes():
         tm._add_logged(record, {"router_entropy": torch.tensor(0.1)})
 
 
+def test_a_launcher_s_variables_left_in_the_shell_are_refused_in_one_line(tmp_path):
+    """Plain python with a WORLD_SIZE left in the environment (of a torchrun job's shell):
+    torch's 20-line traceback ("RANK expected", "MASTER_ADDR expected") or int()'s; now one
+    line naming what is missing and how to launch."""
+    clean = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    for env, said in (({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' in the environment without RANK, MASTER_ADDR, MASTER_PORT: launch several "
+                                           "processes with torchrun (python -m torch.distributed.run --nproc-per-node=N ...), or unset "
+                                           "WORLD_SIZE for one"),
+                      ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE='2' in the environment without MASTER_ADDR, MASTER_PORT: launch"),
+                      ({"WORLD_SIZE": "two"}, "WORLD_SIZE: expected an int in the environment (as torchrun sets it), got 'two'")):
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1"],
+                             capture_output=True, text=True, timeout=300, env={**clean, **env})
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith(said), run.stderr[-3000:]
+        assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_ranks_knobs_are_compared_as_given_and_their_differences_named():
+    """The knobs every rank of a run must share (_rank_knobs, compared by every_rank at the
+    start): --model.* as given (a model knob given on one rank alone was said as "the ranks
+    built different models from their files"), the path knobs left out (each rank's copy of
+    a path is compared by what it holds)."""
+    tm = _train_moe()
+    base = tm._rank_knobs(tm.parse_args(["--lr=0.01"]))
+    assert base == tm._rank_knobs(tm.parse_args(["--lr=1e-2", "--data=/a", "--out_dir=/b"]))
+    other = tm._rank_knobs(tm.parse_args(["--lr=0.01", "--model.k=1", "--seed=3"]))
+    assert tm._differing_knobs([base, other, base]) == (
+        "the ranks' command lines differ (rank 0: --model.k=(not given), --seed=0; rank 1: --model.k=1, --seed=3; rank 2: --model.k=(not "
+        "given), --seed=0): every rank must run the same one (torchrun: the same command on every node)")
+
+
 def test_the_resume_note_names_each_changed_training_knob_and_no_other(tmp_path):
     """_training_changes against the knobs as config.json holds them (write_config: inf as
     "inf"): each training knob changed is named, a --model.* knob of how it trains beside

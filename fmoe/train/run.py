@@ -443,10 +443,14 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
     A missing extra (fmoe.ops.checks.MissingExtra, naming its pip command) is such a refusal
     too: its message alone, not two chained tracebacks.
     Exit status 0 (SystemExit(None) or (0), a --help) and every other exception pass at once.
+    A RANK or WORLD_SIZE in the environment that is no int is refused (SystemExit naming it).
     """
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
         raise ValueError(f"wait: expected seconds >= 0, got {wait!r}")
-    rank, world = (_environ_int(name, default) for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")))
+    try:
+        rank, world = (_environ_int(name, default) for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")))
+    except ValueError as err:  # a launcher's variable left in a shell: a refusal, not a traceback
+        raise SystemExit(str(err)) from None
     try:
         try:
             main(argv)

@@ -383,7 +383,8 @@ def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
     alone refused, a minute later, while rank 0 waited in the load); ranks whose token files'
     indexes give other vocabularies (rank 1's copy of the data) build other models and stop
     (before, they trained on, each its own model); a new run's out_dir where one rank sees an
-    earlier run's checkpoints."""
+    earlier run's checkpoints; ranks given other knobs (another --lr trained on without a word,
+    another --ep hung)."""
     _train(tmp_path / "no_mtp", 1, "--model.mtp_depth=0", "--stop_at=1")
     done = _one_rank_fault("none", "train_moe", f"--out_dir={tmp_path / 'pp'}", *TINY, "--pp=2", f"--init_from={tmp_path / 'no_mtp'}")
     said = f"--init_from: rank 1: path: the model of '{tmp_path / 'no_mtp' / 'step_000001'}' differs from this one: mtp.0.proj (not saved)"
@@ -399,6 +400,15 @@ def test_ranks_stop_together_where_their_own_parts_or_models_differ(tmp_path):
                            other_path=f"{tmp_path / 'a'}=>{tmp_path / 'b'}")
     said = "--data, --init_from_hf: the ranks built different models from their files (rank 0: vocab_size=300; rank 1: vocab_size=400)"
     assert done.returncode != 0 and said in done.stderr, done.stdout[-2000:] + done.stderr[-4000:]
+    # a knob given otherwise on one rank: another --lr trained on without a word (the lines printed rank 0's), another
+    # --ep hung in the mesh's collectives; both stop before the first step, naming the knob
+    for knob, other in (("--lr=1e-2", "--lr=3e-2"), ("--ep=1", "--ep=2")):
+        done = _one_rank_fault("other_path", "train_moe", f"--out_dir={tmp_path / 'knob'}", *TINY, "--ep=1", other_path=f"{knob}=>{other}")
+        name, _, value = knob.partition("=")
+        said = (f"the ranks' command lines differ (rank 0: {name}={float(value) if name == '--lr' else value}; rank 1: "
+                f"{name}={float(other.partition('=')[2]) if name == '--lr' else other.partition('=')[2]}): every rank must run the same one")
+        assert done.returncode != 0 and said in done.stderr and done.stderr.count(said) == 1, done.stdout[-2000:] + done.stderr[-4000:]
+        assert not (tmp_path / "knob" / "metrics.jsonl").exists()
     # a new run's out_dir: rank 1's view holds an earlier run's checkpoints (before, it alone refused, a minute later)
     done = _one_rank_fault("other_path", "train_moe", f"--out_dir={tmp_path / 'fresh'}", *TINY, other_path=f"{tmp_path / 'fresh'}=>{tmp_path / 'no_mtp'}")
     said = f"rank 1: --out_dir: {tmp_path / 'no_mtp'} holds an earlier run's checkpoints (the newest step_000001)"

@@ -418,8 +418,8 @@ def test_write_config_and_run_script_name_their_bad_inputs(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="out_dir: expected a path"):
         write_config(None, {})
     assert write_config(tmp_path, {"a": 1}) == tmp_path / "config.json"
-    monkeypatch.setenv("WORLD_SIZE", "two")  # int()'s message named neither
-    with pytest.raises(ValueError, match="WORLD_SIZE: expected an int in the environment .* got 'two'"):
+    monkeypatch.setenv("WORLD_SIZE", "two")  # int()'s message named neither; a refusal in one line, not a traceback
+    with pytest.raises(SystemExit, match="WORLD_SIZE: expected an int in the environment .* got 'two'"):
         run_script(lambda argv: None, [])
 
 
