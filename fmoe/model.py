@@ -305,6 +305,11 @@ class GroupedExperts(nn.Module):
     output, by fmoe.layers.local_experts, or by `dispatcher` when one is set
     (fmoe.parallel.ExpertParallel, with the weights sharded over expert-parallel ranks;
     same call signature as local_experts); rows: local_experts' (the expert output norm).
+    `sequence_parallel`: a SequenceShard under tensor parallelism applied alone
+    (fmoe.parallel.tensor_parallel_plan): x is this rank's token shard and the weights'
+    gradients are summed over the tp ranks where they are used; None otherwise
+    (fmoe.parallel.parallelize, whose FSDP2 or expert parallelism sums them over the expert
+    data mesh that holds the tp ranks).
     """
 
     def __init__(self, n_experts: int, hidden: int, ffn: int, cfg: MoEConfig, *, biases: bool = False, device=None, dtype=None):
@@ -313,6 +318,7 @@ class GroupedExperts(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
         self.dispatcher = None
+        self.sequence_parallel = None  # a SequenceShard under tensor_parallel_plan alone (class docstring)
         self.recompute = False  # recompute the routed experts in the backward (ac="experts")
         gated = cfg.glu_act not in PLAIN_ACTS
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw)) if gated else None
@@ -332,6 +338,8 @@ class GroupedExperts(nn.Module):
 
     def _experts(self, x_TH, routes, rows=None):
         params = {n: _local(getattr(self, n)) for n in self.names}
+        if self.sequence_parallel is not None:  # a token shard's partial gradients, summed over tp
+            params = {n: self.sequence_parallel.weight(w) for n, w in params.items()}
         if torch.is_autocast_enabled(x_TH.device.type):  # the weights in x's autocast dtype, as a linear's would be
             params = {n: w.to(x_TH.dtype) for n, w in params.items()}
         return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg, **({} if rows is None else dict(rows=rows)))

@@ -69,7 +69,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fmoe.layers import EXPERT_BIASES
-from fmoe.model import Block, HyperConnection, MoE, ResidualGate, Transformer
+from fmoe.model import Block, GroupedExperts, HyperConnection, MoE, ResidualGate, Transformer
 from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -375,6 +375,9 @@ def parallelize(
             raise ValueError(f"tp: {type(model).__name__} holds no fmoe.model Block (Attention, DenseMLP, MoE inside one) to split, so "
                              f"tp = {meshes.tp} cannot apply (apply your own plan with torch's parallelize_module, or build tp=1 meshes)")
         parallelize_module(model, meshes.tp_mesh, plan)
+        for module in model.modules():  # the routed experts' gradients: summed over edp (which holds tp) by FSDP2 below, not over tp
+            if isinstance(module, GroupedExperts):
+                module.sequence_parallel = None
     # ep = etp = 1: every rank holds every expert and runs its own tokens through them, the
     # gradients summed over the expert data mesh edp (every rank) by FSDP: no dispatcher
     if meshes.ep * meshes.etp > 1:

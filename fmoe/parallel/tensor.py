@@ -68,9 +68,11 @@ tp rank, as without tp); a Block outside a ModuleList (an MTP module's) splits a
 itself, after its module's replicated norms and projection. The attention context (RoPE
 tables, mask) stays full-T: attention runs on the gathered tokens. The MoE's shared experts
 are a DenseMLP region like the dense MLP; its routed experts see each token once, on the
-rank that holds it (no tp split inside fmoe.parallel.ExpertParallel). Their weights, left
-alone here, get each rank's partial gradient too; FSDP2 sums those over the expert data
-mesh edp, which holds the tp ranks (fmoe.parallel.parallelize), as under expert parallelism.
+rank that holds it (no tp split inside fmoe.parallel.ExpertParallel). Their weights stay
+whole on every tp rank and get each rank's partial gradient: with this plan alone the
+experts' SequenceShard sums those over tp, as it does the router's; under
+fmoe.parallel.parallelize FSDP2 sums them over the expert data mesh edp, which holds the tp
+ranks, as under expert parallelism (parallelize unsets the experts' SequenceShard).
 
 Parameters that stay replicated over tp but are used on a token shard (the norms and the
 hyper-connections' weights inside Blocks, the MoE router and shared-expert gate) get a partial gradient on each tp rank:
@@ -101,7 +103,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fmoe.model import Attention, Block, DenseMLP, HyperConnection, LinearAttention, MoE, ResidualGate, RMSNorm, TransformerConfig
+from fmoe.model import (Attention, Block, DenseMLP, GroupedExperts, HyperConnection, LinearAttention, MoE, ResidualGate, RMSNorm,
+                        TransformerConfig)
 from fmoe.ops import drop_by_capacity
 from fmoe.ops.routing import Routes, keep_slots
 from fmoe.parallel.expert import copy_to_tp, gather_tokens, split_tokens
@@ -191,7 +194,8 @@ class SequenceParallelModule(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not hasattr(module, "sequence_parallel"):
-            raise ValueError(f"module: {type(module).__name__} has no sequence_parallel attribute (fmoe.model's RMSNorm, HyperConnection, ResidualGate and MoE have one)")
+            raise ValueError(f"module: {type(module).__name__} has no sequence_parallel attribute (fmoe.model's RMSNorm, HyperConnection, ResidualGate, "
+                             "MoE and GroupedExperts have one)")
         if module.sequence_parallel is not None:
             raise ValueError(f"module: {type(module).__name__} is already sequence parallel (tensor-parallelised twice?)")
         module.sequence_parallel = SequenceShard(device_mesh)
@@ -536,14 +540,16 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         every LinearAttention             LinearAttentionParallel (heads)
         every DenseMLP (dense MLPs,       SwiGLUParallel (FFN columns)
         MoE blocks' shared experts)
-        every MoE, every RMSNorm,         SequenceParallelModule (replicated weights on a
-        HyperConnection and ResidualGate  token shard; the MoE's capacity drop)
+        every MoE, its routed experts     SequenceParallelModule (replicated weights on a
+        (GroupedExperts), every RMSNorm,  token shard, their gradients summed over tp; the
+        HyperConnection and ResidualGate  MoE's capacity drop)
         in a Block
         the first / last Block of each    ShardTokens (split the input / gather the output)
         nn.ModuleList of Blocks, a Block
         outside one (both)
 
-    Routed experts are left alone (fmoe.parallel.shard_experts shards them over ep / etp).
+    Routed experts are not split (fmoe.parallel.shard_experts shards them over ep / etp);
+    fmoe.parallel.parallelize unsets their SequenceShard, its FSDP2 summing their gradients.
     RMSNorms outside Blocks (a final norm, MTP modules' norms) stay replicated. ValueError
     for an Attention, DenseMLP or MoE outside every Block: sequence parallelism needs to
     know where the token shards begin and end (apply ShardTokens in your own plan).
@@ -564,7 +570,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             plan[name] = LinearAttentionParallel()
         elif isinstance(module, DenseMLP):  # dense blocks' MLPs and MoE blocks' shared experts
             plan[name] = SwiGLUParallel()
-        elif isinstance(module, MoE) or (isinstance(module, (RMSNorm, HyperConnection, ResidualGate)) and in_block(name)):
+        elif isinstance(module, MoE) or (isinstance(module, (RMSNorm, HyperConnection, ResidualGate, GroupedExperts)) and in_block(name)):
             plan[name] = SequenceParallelModule()
         elif isinstance(module, Block):
             first, last = _block_edges(model, name, module)

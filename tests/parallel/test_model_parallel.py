@@ -936,11 +936,16 @@ class _Blocks(torch.nn.Module):
 def _user_blocks(rank, world):
     """Two MoE Blocks with gated shared experts (sigmoid(x . shared_gate)) and a capacity
     factor, every weight random (norms included), under parallelize with tp = 2, against one
-    process: output, input gradient, every parameter gradient and the counts."""
+    process: output, input gradient, every parameter gradient and the counts. The same with
+    tensor_parallel_plan applied alone by torch's parallelize_module (the module docstring's
+    usage), where the routed experts' gradients were each rank's partial ones ("plan" keys):
+    every rank's now the whole, as one process's."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     from fmoe.layers import attention_context
     from fmoe.model import Block, MoE, TransformerConfig
     from fmoe.ops import positions_from_cu_seqlens, z_loss
-    from fmoe.parallel import build_meshes, parallelize, z_loss_split
+    from fmoe.parallel import build_meshes, parallelize, tensor_parallel_plan, z_loss_split
 
     cfg = TransformerConfig(**{**TINY, "capacity_factor": 1.0})
 
@@ -953,27 +958,34 @@ def _user_blocks(rank, world):
             torch.nn.init.normal_(p, std=0.2)
         return _Blocks(blocks)
 
-    ref, model = build(), build()
-    parallelize(model, build_meshes(tp=2))
+    ref, model, planned = build(), build(), build()
+    meshes = build_meshes(tp=2)
+    parallelize(model, meshes)
+    parallelize_module(planned, meshes.tp_mesh, tensor_parallel_plan(planned))
     g = torch.Generator().manual_seed(1)
     T = 24
     x, upstream = torch.randn(T, cfg.hidden, generator=g), torch.randn(T, cfg.hidden, generator=g)
     cu = torch.tensor([0, 7, 24], dtype=torch.int32)
     ctx = attention_context(cu, positions_from_cu_seqlens(cu), ref.blocks[0].attn.cfg)
     out = {}
-    for name, m, z_share in (("ref", ref, z_loss), ("tp", model, lambda logits: z_loss_split(logits, n_tokens=T))):
+    z_split = lambda logits: z_loss_split(logits, n_tokens=T)  # noqa: E731
+    for name, m, z_share in (("ref", ref, z_loss), ("tp", model, z_split), ("plan", planned, z_split)):
         x_in = x.clone().requires_grad_()
         y, stats = m(x_in, ctx)
         ((y * upstream).sum() + 0.1 * sum(z_share(s["router_logits"]) for s in stats)).backward()
         counts = torch.stack([s["tokens_per_expert"] for s in stats])
-        if name == "tp":
+        if name != "ref":
             dist.all_reduce(counts)
         out[name] = (y.detach(), x_in.grad, counts, {n: _full(p.grad) for n, p in m.named_parameters()})
-    (y_ref, dx_ref, counts_ref, grads_ref), (y, dx, counts, grads) = out["ref"], out["tp"]
-    errors = {"y": float((y - y_ref).abs().max()), "dx": float((dx - dx_ref).abs().max()),
-              "counts": float((counts - counts_ref).abs().sum()), "dropped": float(counts_ref.sum() == 2 * T * cfg.k)}
-    for n, grad in grads.items():
-        errors[n] = float((grad - grads_ref[n]).abs().max() / grads_ref[n].abs().max())
+    y_ref, dx_ref, counts_ref, grads_ref = out["ref"]
+    errors = {"dropped": float(counts_ref.sum() == 2 * T * cfg.k)}
+    for way in ("tp", "plan"):
+        y, dx, counts, grads = out[way]
+        prefix = "" if way == "tp" else "plan:"
+        errors.update({prefix + "y": float((y - y_ref).abs().max()), prefix + "dx": float((dx - dx_ref).abs().max()),
+                       prefix + "counts": float((counts - counts_ref).abs().sum())})
+        for n, grad in grads.items():
+            errors[prefix + n] = float((grad - grads_ref[n]).abs().max() / grads_ref[n].abs().max())
     return errors
 
 
@@ -1103,7 +1115,7 @@ def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process(re
     for rank, errors in enumerate(by_case["user_blocks"] for by_case in results(2)):
         bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
-        assert any(k.endswith("shared_gate") for k in errors)
+        assert any(k.endswith("shared_gate") for k in errors) and "plan:blocks.1.mlp.experts.w_down" in errors
 
 
 def test_tensor_parallel_plan_needs_blocks_around_parallel_regions():
