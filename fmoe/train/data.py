@@ -97,6 +97,7 @@ import hashlib
 import itertools
 import json
 import math
+import mmap
 import numbers
 import os
 import sysconfig
@@ -186,6 +187,24 @@ def decode_text(ids: Union[torch.Tensor, Sequence[int]]) -> str:
 # ----------------------------------------------------------------------------------------
 
 
+class _MappedFile:
+    """A whole file's read-only np.memmap, pickled as its place (TokenDataset.__getstate__)."""
+
+    def __init__(self, filename: str, dtype: str, offset: int, shape: tuple):
+        self.filename, self.dtype, self.offset, self.shape = filename, dtype, offset, shape
+
+    @staticmethod
+    def of(array):
+        """The _MappedFile of a memmap as np.memmap made it (its base the map itself, not a
+        slice of another, and read-only); any other value as it is."""
+        if isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap) and array.filename and array.mode == "r":
+            return _MappedFile(array.filename, array.dtype.str, array.offset, array.shape)
+        return array
+
+    def open(self) -> np.memmap:
+        return np.memmap(self.filename, dtype=np.dtype(self.dtype), mode="r", offset=self.offset, shape=self.shape)
+
+
 class TokenDataset:
     """Documents of token ids over one shared 1-D storage array.
 
@@ -242,6 +261,16 @@ class TokenDataset:
             eos = _int_arg("eos", eos, 0, self.vocab_size - 1)
         self.eos = eos
         self.doc_lens = self.lengths + (eos is not None)
+
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader's spawned workers, torch.save): a memory-mapped file's data
+        and label mask by their file, mapped again where unpickled (numpy pickles a memmap
+        as a copy of the whole file: a copy in every worker)."""
+        return {**self.__dict__, "data": _MappedFile.of(self.data), "label_mask": _MappedFile.of(self.label_mask)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.data, self.label_mask = (a.open() if isinstance(a, _MappedFile) else a for a in (self.data, self.label_mask))
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -322,6 +322,34 @@ def test_empty_documents_are_passed_over_and_a_dataset_of_only_empty_ones_refuse
         Sampler(empty, 4, seed=0)
 
 
+def test_a_memory_mapped_dataset_pickles_as_its_file_not_a_copy(tmp_path):
+    """A DataLoader's spawned workers get the dataset pickled: numpy pickled the np.memmap
+    data and label mask as copies of the whole files (each worker a copy of the corpus).
+    Now their place: unpickled, they map the same files again, the same tokens and batches;
+    an array in memory still pickles as itself."""
+    import pickle
+
+    tokens = np.random.default_rng(0).integers(1, 200, size=50_000).astype(np.uint16)
+    tokens[::97] = 0
+    tokens.tofile(tmp_path / "tokens.u16")
+    np.asarray(np.random.default_rng(1).integers(0, 2, size=len(tokens)), dtype=np.uint8).tofile(tmp_path / "mask.u8")
+    data = np.memmap(tmp_path / "tokens.u16", dtype=np.uint16, mode="r")
+    mask = np.memmap(tmp_path / "mask.u8", dtype=np.uint8, mode="r")
+    ends = np.flatnonzero(data == 0)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    ds = TokenDataset(data, starts, ends - starts, None, vocab_size=200, eos=0, label_mask=mask)
+    for original in (ds, ds.split(10)[1]):
+        blob = pickle.dumps(original)
+        assert len(blob) < 20_000  # the starts and lengths, not the 100,000 bytes of tokens
+        again = pickle.loads(blob)
+        assert isinstance(again.data, np.memmap) and isinstance(again.label_mask, np.memmap)
+        assert np.array_equal(again.data, data) and np.array_equal(again.label_mask, mask)
+        assert _same(Sampler(again, 256, seed=1).next_batch(), Sampler(original, 256, seed=1).next_batch())
+    in_memory = TokenDataset(np.asarray(data), starts, ends - starts, None, vocab_size=200, eos=0)
+    again = pickle.loads(pickle.dumps(in_memory))
+    assert not isinstance(again.data, np.memmap) and np.array_equal(again.data, data) and again.label_mask is None
+
+
 def test_epoch_rollover():
     ds = _synthetic(n_docs=5)
     sampler = Sampler(ds, 16, seed=2)
