@@ -845,6 +845,7 @@ def _cases(rank, world, names):
         out["autograd_orders"] = in_own_groups(_autograd_orders, rank, world)
         out["dropped_forward"] = in_own_groups(_dropped_forward, rank, world)
         out["step_hook_bounds"] = in_own_groups(_step_hook_bounds, rank, world)
+        out["torch_ddp"] = in_own_groups(_torch_ddp, rank, world)
     return out
 
 
@@ -989,6 +990,40 @@ def _user_blocks(rank, world):
     return errors
 
 
+class _Called:
+    """`wrapper` called as the model (torch's DDP), `model`'s context and cfg for _loss."""
+
+    def __init__(self, wrapper, model):
+        self.wrapper, self.context, self.cfg = wrapper, model.context, model.cfg
+
+    def __call__(self, *args):
+        return self.wrapper(*args)
+
+
+def _torch_ddp(rank, world):
+    """fmoe's Transformer (MTP, shared experts, expert bias) under torch's own
+    DistributedDataParallel, no fmoe.parallel: each rank its own micro-batches, its loss
+    times world (DDP averages the gradients), gives the one-process gradients; the README
+    says so (and that find_unused_parameters is not needed: every parameter takes a gradient)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fmoe.model import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(**TINY)
+    torch.manual_seed(0)
+    ref = Transformer(cfg)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    batches = _batches(2 * world, mtp_depth=cfg.mtp_depth)
+    valid = sum(int(b["loss_mask"].sum()) for b in batches)
+    _reference(ref, batches, valid, cfg.mtp_depth, rank, world)
+    ddp = _Called(DistributedDataParallel(model), model)
+    for i in range(rank, len(batches), world):
+        (_loss(ddp, batches[i], valid, cfg.mtp_depth)[0] * world).backward()
+    grads = dict(ref.named_parameters())
+    return {n: float((p.grad - grads[n].grad).abs().max() / grads[n].grad.abs().max()) for n, p in model.named_parameters()}
+
+
 class _ViewOut(torch.nn.Module):
     """A linear layer whose output is an autograd view of its product (a reshape)."""
 
@@ -1116,6 +1151,12 @@ def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process(re
         bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
         assert any(k.endswith("shared_gate") for k in errors) and "plan:blocks.1.mlp.experts.w_down" in errors
+
+
+def test_torch_s_own_ddp_on_the_model_gives_one_process_s_gradients(results):
+    for rank, errors in enumerate(by_case["torch_ddp"] for by_case in results(2)):
+        bad = {k: v for k, v in errors.items() if not v < 1e-5}
+        assert not bad and len(errors) > 20 and any(".experts." in k for k in errors), f"rank {rank}: {bad}"
 
 
 def test_tensor_parallel_plan_needs_blocks_around_parallel_regions():
