@@ -173,7 +173,7 @@ def test_a_token_file_without_an_index_takes_separator_and_data_dtype(run_dir, t
 def test_learned_positions_bound_the_micro_batch(tmp_path, docs):
     """A GPT-2 folder (64 learned positions) on long documents: a micro-batch of more tokens
     is refused naming --tokens_per_micro_batch; it stopped in the forward with a traceback."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     config = transformers.GPT2Config(vocab_size=260, n_embd=32, n_layer=1, n_head=4, n_positions=64, n_inner=40, bos_token_id=None,
                                      eos_token_id=None)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
@@ -185,7 +185,7 @@ def test_learned_positions_bound_the_micro_batch(tmp_path, docs):
 
 
 def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     import fmoe.hf
     from fmoe.train.data import load_blend
 
@@ -398,7 +398,7 @@ def test_choices_of_a_run_on_one_process_and_under_torchrun(run_dir, tmp_path):
 def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp_path):
     """An HF folder's tokenizer.json: the context with its BOS, each choice without; the
     log-probabilities are transformers' own."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     torch.manual_seed(0)

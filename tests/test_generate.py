@@ -49,7 +49,7 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     routed by its hash table; deepseek_v4-csa: layer 2 compressed sparse attention, its
     overlapping runs of 2 and its indexer's entries cached, each step's best 2 of them) against
     transformers' own generate and cache."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     import fmoe.hf
 
     torch.manual_seed(0)
@@ -498,7 +498,7 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     generation prompt (the ids of transformers' apply_chat_template), greedy tokens equal
     to transformers' generate, which stops at any of generation_config.json's eos ids; the
     reply alone is printed. Refused: --prompt_ids, --system without --chat, a byte run."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)

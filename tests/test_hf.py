@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
 
 from fmoe import hf  # noqa: E402
 from fmoe.layers import lightning_decay  # noqa: E402

@@ -270,7 +270,7 @@ def test_matches_transformers_kimi_delta_attention():
 
 
 def test_matches_transformers_lfm2_short_conv():
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 
     torch.manual_seed(0)
@@ -319,7 +319,7 @@ def test_matches_transformers_minimax_lightning_attention():
     """transformers' MiniMax module (its blocks of block_size tokens, 5 here, over 70), weights
     copied into fmoe's layout: qkv_proj's rows per head its q's, k's and v's; the decay of
     its layer (2 of 4) its slope_rate buffer, negated."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
 
     hf_cfg = transformers.MiniMaxConfig(hidden_size=H, num_attention_heads=3, head_dim=8, num_hidden_layers=4, block_size=5)
@@ -367,7 +367,7 @@ def _randomized(ref):
 def test_matches_transformers_granite_4_mamba2_mixer():
     """transformers' Granite 4.0-H Mamba-2 layer (its torch fallback: chunks of 16 over 70
     tokens), weights copied into fmoe's layout (_mamba2_params); the gated norm per group."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
 
     hf_cfg = transformers.GraniteMoeHybridConfig(hidden_size=H, mamba_n_heads=4, mamba_d_head=6, mamba_expand=1, mamba_n_groups=2,
@@ -380,7 +380,7 @@ def test_matches_transformers_granite_4_mamba2_mixer():
 def test_matches_transformers_nemotron_h_mamba2_mixer():
     """transformers' Nemotron-H Mamba-2 mixer (its torch fallback), whose dt has the floor
     time_step_min (0.7 here, binding for some tokens and heads): fmoe's mamba2 with dt_min."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
     hf_cfg = transformers.NemotronHConfig(hidden_size=H, mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=8, conv_kernel=4,
@@ -398,7 +398,7 @@ def test_matches_transformers_falcon_h1_mamba2_mixer(rms_norm, before):
     (mamba_rms_norm) and may come before the gate (mamba_norm_before_gate): fmoe's mamba2
     with gate_norm "none", "before" or "after"; x's channels (mamba_d_ssm, 24) apart from
     hidden_size. Its multipliers are 1 here (fmoe.hf folds them into the weights)."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
 
     hf_cfg = transformers.FalconH1Config(hidden_size=H, mamba_d_ssm=24, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
@@ -432,7 +432,7 @@ def test_matches_transformers_mamba1_mixer(family):
     (no norms: fmoe's mamba1), Falcon Mamba's (dt, B and C RMS-normed without weights:
     dt_bc_norm "rms_unit") and Jamba's (with weights: "rms"), weights copied into fmoe's
     layout (_mamba1_params), A = exp(A_log) in [1, 16] per channel and state channel."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     if family == "jamba":
         from transformers.models.jamba.modeling_jamba import JambaMambaMixer as Mixer
         hf_cfg, norm, eps = transformers.JambaConfig(hidden_size=H, mamba_expand=1, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=3,

@@ -89,7 +89,7 @@ def _transformers_documents(folder, chats, per_turn=False, tools=None, **variabl
     """transformers' ids and assistant masks of each document, the separator appended (counted
     when it follows an assistant's token): whole conversations, or one per assistant turn;
     tools: each conversation's."""
-    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     sep = hf.convert_tokens_to_ids("<|endoftext|>")
     ids, mask = [], []
