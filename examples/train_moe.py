@@ -255,21 +255,26 @@ def _rank_knobs(cfg: Config) -> str:
     return json.dumps(knobs, sort_keys=True, default=str)
 
 
+def _per_rank(every: list, prefix: str = "") -> str:
+    """Each rank's values of the keys in which the ranks' dicts (sorted JSON) differ, as
+    "rank 0: k=v, ...; rank 1: ..." (a key a rank lacks: "(not given)")."""
+    given = [json.loads(e) for e in every]
+
+    def value(g, k):
+        return g.get(k, "(not given)")
+
+    differ = [k for k in sorted({k for g in given for k in g}) if any(value(g, k) != value(given[0], k) for g in given)]
+    return "; ".join(f"rank {r}: " + ", ".join(f"{prefix}{k}={value(g, k)}" for k in differ) for r, g in enumerate(given))
+
+
 def _differing_knobs(every: list) -> str:
     """The knobs in which the ranks' command lines differ (each rank's _rank_knobs)."""
-    given = [json.loads(k) for k in every]
-    differ = [k for k in sorted({k for g in given for k in g}) if any(g.get(k, "(not given)") != given[0].get(k, "(not given)") for g in given)]
-    return ("the ranks' command lines differ (" + "; ".join(f"rank {r}: " + ", ".join(f"--{k}={g.get(k, '(not given)')}" for k in differ)
-                                                          for r, g in enumerate(given))
-            + "): every rank must run the same one (torchrun: the same command on every node)")
+    return f"the ranks' command lines differ ({_per_rank(every, '--')}): every rank must run the same one (torchrun: the same command on every node)"
 
 
 def _differing_models(every: list) -> str:
     """The knobs in which the ranks' models (each rank's TransformerConfig as sorted JSON) differ."""
-    built = [json.loads(b) for b in every]
-    differ = sorted({k for b in built for k in b if b[k] != built[0][k]})
-    return ("--data, --init_from_hf: the ranks built different models from their files (" + "; ".join(
-        f"rank {r}: " + ", ".join(f"{k}={b[k]}" for k in differ) for r, b in enumerate(built)) + "); every node must hold the same files")
+    return f"--data, --init_from_hf: the ranks built different models from their files ({_per_rank(every)}); every node must hold the same files"
 
 
 SCHEDULE_KNOBS = ("steps", "lr", "min_lr", "init_lr", "warmup", "lr_style", "wsd_decay", "wsd_style")

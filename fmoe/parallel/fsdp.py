@@ -374,10 +374,9 @@ def parallelize(
         if not plan:  # a module tree of one's own: every tp rank held and ran the whole model, without a word
             raise ValueError(f"tp: {type(model).__name__} holds no fmoe.model Block (Attention, DenseMLP, MoE inside one) to split, so "
                              f"tp = {meshes.tp} cannot apply (apply your own plan with torch's parallelize_module, or build tp=1 meshes)")
+        # the routed experts' gradients are summed over edp (which holds tp) by FSDP2 below: not over tp by the plan's style
+        plan = {name: style for name, style in plan.items() if not isinstance(model.get_submodule(name), GroupedExperts)}
         parallelize_module(model, meshes.tp_mesh, plan)
-        for module in model.modules():  # the routed experts' gradients: summed over edp (which holds tp) by FSDP2 below, not over tp
-            if isinstance(module, GroupedExperts):
-                module.sequence_parallel = None
     # ep = etp = 1: every rank holds every expert and runs its own tokens through them, the
     # gradients summed over the expert data mesh edp (every rank) by FSDP: no dispatcher
     if meshes.ep * meshes.etp > 1:

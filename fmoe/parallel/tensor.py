@@ -72,7 +72,7 @@ rank that holds it (no tp split inside fmoe.parallel.ExpertParallel). Their weig
 whole on every tp rank and get each rank's partial gradient: with this plan alone the
 experts' SequenceShard sums those over tp, as it does the router's; under
 fmoe.parallel.parallelize FSDP2 sums them over the expert data mesh edp, which holds the tp
-ranks, as under expert parallelism (parallelize unsets the experts' SequenceShard).
+ranks, as under expert parallelism (parallelize leaves the experts out of the plan).
 
 Parameters that stay replicated over tp but are used on a token shard (the norms and the
 hyper-connections' weights inside Blocks, the MoE router and shared-expert gate) get a partial gradient on each tp rank:
@@ -549,7 +549,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         outside one (both)
 
     Routed experts are not split (fmoe.parallel.shard_experts shards them over ep / etp);
-    fmoe.parallel.parallelize unsets their SequenceShard, its FSDP2 summing their gradients.
+    fmoe.parallel.parallelize leaves them out of the plan, its FSDP2 summing their gradients.
     RMSNorms outside Blocks (a final norm, MTP modules' norms) stay replicated. ValueError
     for an Attention, DenseMLP or MoE outside every Block: sequence parallelism needs to
     know where the token shards begin and end (apply ShardTokens in your own plan).
