@@ -1901,10 +1901,15 @@ def _rms_norm(x, weight, eps: float, ms=None, *, zero_centered: bool = False):
 class _LowPrecisionRMSNorm(torch.autograd.Function):
     """rms_norm_saving_input's forward (the eager form's bits) and its backward in float32
     from x in its own dtype and the inverse rms [..., 1]: autograd on the eager form kept x
-    and x / rms(x) in float32 for the backward, 4 x a bf16 x's bytes against 1 x here."""
+    and x / rms(x) in float32 for the backward, 4 x a bf16 x's bytes against 1 x here. Its
+    backward is differentiable (a double backward recomputes the inverse rms from x, so its
+    dependence on x is in the graph), it has a jvp (forward-mode AD) and torch.func takes it
+    (grad, vjp, jacrev; vmap by torch's generated rule)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, zero_centered):
+    def forward(x, weight, bias, eps, zero_centered):
         x32 = x.float()
         rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
         y = x32 * rstd
@@ -1912,13 +1917,21 @@ class _LowPrecisionRMSNorm(torch.autograd.Function):
             y = y * (weight.float() + 1.0 if zero_centered else weight.float())
         if bias is not None:
             y = y + bias.float()
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.zero_centered, ctx.bias_dtype = zero_centered, None if bias is None else bias.dtype
-        return y.to(x.dtype)
+        return y.to(x.dtype), rstd
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, eps, zero_centered = inputs
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.save_for_forward(x, weight, output[1])  # jvp's saved_tensors
+        ctx.mark_non_differentiable(output[1])
+        ctx.eps, ctx.zero_centered, ctx.bias_dtype = eps, zero_centered, None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a double backward (create_graph): the saved rstd is a constant to autograd, x's own is not
+            rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + ctx.eps)
         g = grad_y.float()
         xhat = x.float() * rstd
         d_weight = d_bias = d_x = None
@@ -1932,6 +1945,22 @@ class _LowPrecisionRMSNorm(torch.autograd.Function):
             d_x = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
         return d_x, d_weight, d_bias, None, None
 
+    @staticmethod
+    def jvp(ctx, dx, dweight, dbias, _deps, _dzero_centered):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        dy = torch.zeros_like(xhat)
+        if dx is not None:  # d xhat = rstd (dx - xhat mean(xhat dx))
+            dx32 = dx.float()
+            dy = rstd * (dx32 - xhat * (xhat * dx32).mean(-1, keepdim=True))
+        if weight is not None:
+            dy = dy * (weight.float() + 1.0 if ctx.zero_centered else weight.float())
+            if dweight is not None:
+                dy = dy + xhat * dweight.float()
+        if dbias is not None:
+            dy = dy + dbias.float()
+        return dy.to(x.dtype), None
+
 
 def rms_norm_saving_input(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, *, zero_centered: bool = False,
                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -1941,7 +1970,7 @@ def rms_norm_saving_input(x: torch.Tensor, weight: Optional[torch.Tensor], eps: 
     form's autograd keeps x and x / rms(x) in float32: 4 x a bf16 x's bytes), and computes in
     float32. fmoe.model.RMSNorm takes it for bf16 and float16 inputs; float32 ones keep the
     plain form (nothing to save there: its x is already float32)."""
-    return _LowPrecisionRMSNorm.apply(x, weight, bias, eps, zero_centered)
+    return _LowPrecisionRMSNorm.apply(x, weight, bias, eps, zero_centered)[0]
 
 
 def prescaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

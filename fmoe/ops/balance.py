@@ -71,7 +71,7 @@ def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     check_positive_int("n_experts", n_experts)
     flat, kept = _kept_ids(experts, n_experts)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=experts.device)
-    return counts.scatter_add_(0, flat, kept)
+    return counts.scatter_add(0, flat, kept)  # out of place: vmap batches the result (its in-place form into an unbatched zeros raises)
 
 
 def _kept_ids(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,7 +444,7 @@ def seq_load_balancing_loss(
     else:
         mask = mask.to(scores.device)
         scores, experts = mask_tokens(scores, experts, mask)
-        lengths_B = torch.zeros(B, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, mask.float())
+        lengths_B = torch.zeros(B, dtype=torch.float32, device=scores.device).index_add(0, seq_T, mask.float())
     score_sum_BE, counts_BE = sequence_sums(scores, experts, seq_T, B)
     return sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, k=k)
 
@@ -456,10 +456,9 @@ def sequence_sums(scores: torch.Tensor, experts: torch.Tensor, seq_T: torch.Tens
     [0, B). A caller holding part of the tokens reduces the integer counts over its group
     (fmoe.parallel.seq_load_balancing_loss_split) and keeps the score sums local."""
     E, k = scores.shape[1], experts.shape[1]
-    score_sum_BE = torch.zeros(n_seq, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
+    score_sum_BE = torch.zeros(n_seq, E, dtype=torch.float32, device=scores.device).index_add(0, seq_T, scores.float())
     flat_e, kept = _kept_ids(experts, E)
-    counts_BE = torch.zeros(n_seq * E, dtype=torch.int64, device=scores.device)
-    counts_BE.scatter_add_(0, seq_T.repeat_interleave(k) * E + flat_e, kept)
+    counts_BE = torch.zeros(n_seq * E, dtype=torch.int64, device=scores.device).scatter_add(0, seq_T.repeat_interleave(k) * E + flat_e, kept)
     return score_sum_BE, counts_BE.view(n_seq, E)
 
 

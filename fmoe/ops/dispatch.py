@@ -92,10 +92,10 @@ def slot_ranks(experts: torch.Tensor, n_experts: int, order: Optional[torch.Tens
         order = torch.sort(key_S, stable=True).indices
     else:  # by key, and within a key in the given priority
         order = order[torch.sort(key_S[order], stable=True).indices]
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids_S.device).scatter_add_(0, key_S, torch.ones_like(key_S))
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids_S.device).scatter_add(0, key_S, torch.ones_like(key_S))
     first = torch.cumsum(counts, 0) - counts  # each key's first place in the order
     rank_sorted = torch.arange(n, device=ids_S.device) - first[key_S[order]]
-    return key_S, torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted), counts
+    return key_S, torch.empty_like(rank_sorted).scatter(0, order, rank_sorted), counts
 
 
 def permute_plan_ref(experts_TK: torch.Tensor, n_experts: int, align: int) -> PermutePlan:
@@ -115,8 +115,9 @@ def permute_plan_ref(experts_TK: torch.Tensor, n_experts: int, align: int) -> Pe
 
     R = n_rows(T, K, E, align)
     # dropped slots all write the spare row R, cut off after: no data-dependent indexing
-    slot_of_row = torch.full((R + 1,), -1, dtype=torch.int64, device=device)
-    slot_of_row.scatter_(0, torch.where(kept_S, row_S, R), torch.arange(T * K, device=device))
+    # (out of place: vmap batches the result, where its in-place form into an unbatched tensor raises)
+    slot_of_row = torch.full((R + 1,), -1, dtype=torch.int64, device=device).scatter(
+        0, torch.where(kept_S, row_S, R), torch.arange(T * K, device=device))
     return PermutePlan(
         counts_E, ends_E.to(torch.int32), row_S.view(T, K).to(torch.int32), slot_of_row[:R].to(torch.int32)
     )

@@ -172,10 +172,37 @@ def _expert_spans(offsets_E: torch.Tensor, rows: int):
         start = end
 
 
+def _vmapped(t: torch.Tensor) -> bool:
+    """Whether t is batched by torch.func.vmap (under any other torch.func wrappers): offsets
+    that differ per example (vmap over a routing), which the loops cannot read on the host."""
+    functorch = torch._C._functorch
+    if torch.compiler.is_compiling() or functorch.peek_interpreter_stack() is None:  # no torch.func transform running
+        return False
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
+
+
+def _masked(x_RX: torch.Tensor, offsets_E: torch.Tensor, expert_fn, y_RY: torch.Tensor) -> torch.Tensor:
+    """The loops' values with offsets batched by vmap: every expert's expert_fn(x, e) over all
+    the rows, each row keeping its own expert's; y_RY (zeros) past offsets[-1]. E times the
+    loop's FLOPs, no host read."""
+    # each row's expert: the number of ends <= r (E past offsets[-1])
+    expert_R = (torch.arange(x_RX.shape[0], device=x_RX.device, dtype=offsets_E.dtype)[:, None] >= offsets_E).sum(-1)
+    for e in range(offsets_E.shape[0]):
+        y_RY = torch.where((expert_R == e)[:, None], expert_fn(x_RX, e), y_RY)
+    return y_RY
+
+
 def grouped_matmul_ref(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Plain-torch loop over the experts: y[r] = x[r] @ w[e] for expert e's rows, float32
-    accumulation rounded to x's dtype, zeros past offsets[-1]. Reads offsets on the host."""
+    accumulation rounded to x's dtype, zeros past offsets[-1]. Reads offsets on the host
+    (under torch.func.vmap with per-example offsets: _masked, no host read)."""
     y_RN = x_RK.new_zeros(x_RK.shape[0], w_EKN.shape[2])
+    if _vmapped(offsets_E):
+        return _masked(x_RK, offsets_E, lambda x, e: _matmul_ref(x, w_EKN[e]), y_RN)
     for e, start, end in _expert_spans(offsets_E, x_RK.shape[0]):
         y_RN[start:end] = _matmul_ref(x_RK[start:end], w_EKN[e])
     return y_RN
@@ -188,6 +215,7 @@ def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_N
     projection by fmoe.ops.fp8_matmul's emulation.
 
     Reads offsets on the host (offsets.tolist(): one device->host sync); impl="torch" only.
+    Under torch.func.vmap with per-example offsets (vmap over a routing): _masked, no host read.
     """
     y_RH = torch.zeros_like(x_RH)  # rows no expert owns stay zero
 
@@ -196,6 +224,11 @@ def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_N
         return y if b_EY is None else y + b_EY[e]
 
     b_gate, b_up, b_down = biases
+    if _vmapped(offsets_E):
+        def expert(x_MH, e):
+            h_MF = _hidden(None if w_gate_EHF is None else project(x_MH, w_gate_EHF, b_gate, e), project(x_MH, w_up_EHF, b_up, e), glu)
+            return project(h_MF, w_down_EFH, b_down, e)
+        return _masked(x_RH, offsets_E, expert, y_RH)
     for e, start, end in _expert_spans(offsets_E, x_RH.shape[0]):
         x_MH = x_RH[start:end]
         h_MF = _hidden(None if w_gate_EHF is None else project(x_MH, w_gate_EHF, b_gate, e), project(x_MH, w_up_EHF, b_up, e), glu)

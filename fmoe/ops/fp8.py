@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import IMPLS, autocast_off, next_pow2, use_triton
+from fmoe.ops.backend import IMPLS, autocast_off, next_pow2, transform_of, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES
 
 E4M3 = torch.float8_e4m3fn
@@ -222,13 +222,21 @@ def _gemm(a_MK: torch.Tensor, b_KN: torch.Tensor, scaled_mm: bool) -> torch.Tens
 class _FP8MatMul(torch.autograd.Function):
     """y = q_K(x) q_K(w) in x's dtype; backward dx = q_N(dy) q_N(w)^T in x's dtype, dw = x^T dy
     in w's dtype (float32 accumulation). Plain torch ops, no custom op: torch.compile traces
-    the quantization with the GEMMs and fuses each operand's amax, scale and cast."""
+    the quantization with the GEMMs and fuses each operand's amax, scale and cast. torch.func
+    takes it (grad, vjp, jacrev; vmap by torch's generated rule); forward-mode AD has no
+    tangent to take (fp8_matmul refuses it)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, w, scaled_mm: bool):
+    def forward(x, w, scaled_mm: bool):
+        return _gemm(x, w, scaled_mm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, scaled_mm = inputs
         ctx.save_for_backward(x, w)
         ctx.scaled_mm = scaled_mm
-        return _gemm(x, w, scaled_mm)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -298,7 +306,8 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch
 
     Returns:
         y [..., N] in x's dtype: q_K(x) q_K(w) accumulated in float32. Differentiable: dx =
-        q_N(dy) q_N(w)^T (fp8), dw = x^T dy (x's dtype, float32 accumulation).
+        q_N(dy) q_N(w)^T (fp8), dw = x^T dy (x's dtype, float32 accumulation); torch.func's
+        grad, vjp and vmap take it, forward-mode AD (jvp, dual tensors) raises a ValueError.
 
     Example:
         >>> fp8_matmul(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [0.5]]))
@@ -315,6 +324,9 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch
     K, N = w.shape
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if (transform := transform_of(x, w)) is not None and transform.startswith("forward-mode"):
+        raise ValueError(f"x, w: {transform} has no tangent here: fp8_matmul's gradient is the quantized GEMMs' "
+                         "backward alone (a straight-through estimate); take forward-mode AD without fp8 (x @ w)")
     fast = impl != "torch" and _fast_path(x, K, N)
     y = _FP8MatMul.apply(x.reshape(x.shape[:-1].numel(), K), w, fast)  # not -1: K = 0 leaves it ambiguous
     return y.reshape(*x.shape[:-1], N)

@@ -122,8 +122,8 @@ def _topk_experts_ref(sel_TE, k, n_groups, topk_groups, per_group):
         for i in range(1, per_group):  # summed in descending order, as the kernel does
             group_score_TG = group_score_TG + top_TGm[..., i]
         kept_groups_Tg = sort_desc(group_score_TG)[:, :topk_groups]
-        kept_TG = torch.zeros(T, n_groups, dtype=torch.int8, device=sel_TE.device)
-        kept_TG.scatter_(1, kept_groups_Tg, 1)
+        # out of place: vmap batches the result (its in-place form into an unbatched zeros raises)
+        kept_TG = torch.zeros(T, n_groups, dtype=torch.int8, device=sel_TE.device).scatter(1, kept_groups_Tg, 1)
         kept_TE = kept_TG.repeat_interleave(E // n_groups, dim=1)
         # experts of kept groups first, each part still in descending-score order
         order_TE = order_TE.gather(1, sort_desc(kept_TE.gather(1, order_TE)))

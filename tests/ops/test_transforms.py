@@ -161,3 +161,135 @@ def test_auto_takes_the_reference_on_cuda_under_forward_mode_ad_and_func_grad():
         assert ref.abs().amax() > 0, name
         loss = lambda impl: lambda t: op(impl)(t).float().square().sum()  # noqa: E731
         torch.testing.assert_close(torch.func.grad(loss("auto"))(logits), torch.func.grad(loss("torch"))(logits), msg=name)
+
+
+def _plain_rms_norm(x, w, b, zero_centered):
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)
+    return (y * (w.float() + 1.0 if zero_centered else w.float()) + b.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gain", "zero_centered"])
+def test_the_low_precision_rms_norm_s_double_backward_is_the_plain_form_s(zero_centered):
+    """rms_norm_saving_input (fmoe.model.RMSNorm's path for bf16 and float16) took its saved inverse rms as a constant
+    in a double backward: a gradient penalty's gradient in x came out -0.598 against the finite difference's +15.34,
+    without a word. Float64 inputs (the norm computes in float32 inside) keep bf16 rounding out of the comparison."""
+    from fmoe.layers import rms_norm_saving_input
+
+    x0, w, b = torch.randn(5, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    up = torch.randn(5, 16, dtype=torch.float64)
+
+    def penalty(norm):
+        x = x0.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad((norm(x) * up).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), x)[0]
+
+    ours = penalty(lambda x: rms_norm_saving_input(x, w, 1e-6, zero_centered=zero_centered, bias=b))
+    plain = penalty(lambda x: _plain_rms_norm(x, w, b, zero_centered))
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+    assert plain.abs().amax() > 1.0
+
+
+def test_the_low_precision_rms_norm_under_jvp_vmap_and_func_grad():
+    """A bf16 RMSNorm raised torch's "must override the setup_context staticmethod" under every torch.func transform
+    (vmap alone too, so torch.func.grad of any bf16 Transformer) and "implement the jvp function" with dual tensors."""
+    from fmoe.layers import rms_norm_saving_input
+
+    for zero_centered in (False, True):
+        x, w, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+        ours = lambda x, w, b: rms_norm_saving_input(x, w, 1e-6, zero_centered=zero_centered, bias=b)  # noqa: E731
+        plain = lambda x, w, b: _plain_rms_norm(x, w, b, zero_centered)  # noqa: E731
+        tangents = (torch.randn_like(x), torch.randn_like(w), torch.randn_like(b))
+        y, dy = torch.func.jvp(ours, (x, w, b), tangents)
+        ref_y, ref_dy = torch.func.jvp(plain, (x, w, b), tangents)
+        assert torch.equal(y, ref_y) and torch.equal(dy, ref_dy)
+        with fwAD.dual_level():
+            dual = fwAD.unpack_dual(ours(fwAD.make_dual(x, tangents[0]), w, b)).tangent
+        _, ref_dual = torch.func.jvp(lambda t: plain(t, w, b), (x,), (tangents[0],))
+        assert torch.equal(dual, ref_dual)
+        assert torch.equal(torch.func.vmap(lambda t: ours(t, w, b))(x[:, None])[:, 0], ours(x, w, b))
+        grads = torch.func.grad(lambda x, w, b: ours(x, w, b).float().square().sum(), argnums=(0, 1, 2))(x, w, b)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        ours(*leaves).float().square().sum().backward()
+        for g, leaf in zip(grads, leaves):
+            assert torch.equal(g, leaf.grad)
+
+
+def test_fp8_matmul_under_func_grad_and_vmap_and_refusing_forward_mode():
+    """fp8_matmul (every impl, so every fp8=True layer) raised torch's "must override the setup_context staticmethod"
+    under torch.func. grad and vmap now take it; forward-mode AD has no tangent there and says so."""
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    for impl in ("auto", "torch"):
+        gx, gw = torch.func.grad(lambda x, w: F.fp8_matmul(x, w, impl=impl).square().sum(), argnums=(0, 1))(x, w)
+        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+        F.fp8_matmul(*leaves, impl=impl).square().sum().backward()
+        assert torch.equal(gx, leaves[0].grad) and torch.equal(gw, leaves[1].grad)
+        with pytest.warns(UserWarning, match="batching rule") if impl == "auto" else _no_warning():
+            mapped = torch.func.vmap(lambda t: F.fp8_matmul(t, w, impl=impl))(x[:, None])[:, 0]
+        assert torch.equal(mapped, F.fp8_matmul(x, w, impl=impl))
+        with pytest.raises(ValueError, match=r"x, w: forward-mode AD .* has no tangent here: fp8_matmul's gradient"):
+            torch.func.jvp(lambda t: F.fp8_matmul(t, w, impl=impl), (x,), (torch.ones_like(x),))
+    grads = torch.func.grad(lambda p, layer: torch.func.functional_call(layer, p, (x,))[0].sum(), argnums=0)
+    layer = MoE(16, 8, MoEConfig(n_experts=4, k=2, fp8=True), shared_ffn=16)
+    assert set(grads({n: p.detach() for n, p in layer.named_parameters()}, layer)) == {n for n, _ in layer.named_parameters()}
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_vmap_over_the_counting_ops_and_per_example_routing():
+    """Every op that counts tokens per expert scattered into an unbatched zeros in place, which vmap refuses
+    ("scatter_add_ ... is not possible"): tokens_per_expert, the balance losses, permute, drop_by_capacity and
+    group-limited routing. grouped_mlp / grouped_matmul read per-example offsets on the host. Each now equals a loop."""
+    B, T, n_exp, k = 3, 6, 4, 2
+    logits = torch.randn(B, T, n_exp)
+    x = torch.randn(B, T, H)
+    w_gate, w_up, w_down = torch.randn(n_exp, H, FF) / 3, torch.randn(n_exp, H, FF) / 3, torch.randn(n_exp, FF, H) / 3
+    w = torch.randn(n_exp, H, 5)
+
+    def chain(logits, x):
+        routes = F.route(logits, k, n_groups=2, topk_groups=1)
+        x_perm, plan = F.permute(x, routes.experts, n_exp)
+        y = F.grouped_mlp(x_perm, w_gate, w_up, w_down, plan.offsets)
+        mm = F.grouped_matmul(x_perm, w, plan.offsets)
+        scores, _ = F.aux_scores(logits, k)
+        counts = F.tokens_per_expert(routes.experts, n_exp)
+        return (F.unpermute(y, plan, routes.weights), mm, counts, F.load_balancing_loss(scores, counts, k=k, n_tokens=T),
+                F.seq_load_balancing_loss(scores, routes.experts, torch.tensor([0, 2, T]), k=k),
+                F.drop_by_capacity(routes, n_exp, 1.0).experts)
+
+    mapped = torch.func.vmap(chain)(logits, x)
+    looped = [torch.stack(outs) for outs in zip(*(chain(logits[b], x[b]) for b in range(B)))]
+    assert len(mapped) == len(looped) == 6
+    for name, m, loop in zip(["unpermute", "grouped_matmul", "tokens_per_expert", "load_balancing_loss", "seq_load_balancing_loss",
+                              "drop_by_capacity"], mapped, looped):
+        torch.testing.assert_close(m, loop, msg=name)
+    assert not torch.equal(looped[2][0], looped[2][1]) or not torch.equal(looped[2][1], looped[2][2])  # the examples route apart
+
+
+def test_per_example_gradients_and_an_ensemble_of_moe_layers_under_vmap():
+    """vmap(grad) for per-example gradients and a stack_module_state ensemble of MoE layers raised at permute."""
+    from copy import deepcopy
+
+    torch.manual_seed(0)
+    layers = [MoE(16, 8, MoEConfig(n_experts=4, k=2)) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(layers)
+    base = deepcopy(layers[0]).to("meta")
+    x = torch.randn(6, 16)
+    ensemble = torch.func.vmap(lambda p, b: torch.func.functional_call(base, (p, b), (x,))[0])(params, buffers)
+    torch.testing.assert_close(ensemble, torch.stack([layer(x)[0] for layer in layers]))
+
+    layer = layers[0]
+    own = {n: p.detach() for n, p in layer.named_parameters()}
+    loss = lambda p, t: torch.func.functional_call(layer, p, (t[None],))[0].square().sum()  # noqa: E731
+    per_example = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(own, x)
+    for i in (0, 5):
+        layer.zero_grad()
+        layer(x[i : i + 1])[0].square().sum().backward()
+        for name, p in layer.named_parameters():
+            torch.testing.assert_close(per_example[name][i], p.grad, msg=f"{name}, example {i}")
