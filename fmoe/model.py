@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, LINEAR_KINDS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
@@ -349,16 +350,27 @@ class KeepsFloat32(nn.Module):
     """A module whose tensors named in _FLOAT32 stay float32 when it is cast (`.to(torch.
     bfloat16)`, `.half()`): they are restored from their float32 values (on the new device),
     not from a rounded copy, and so are their gradients (a float32 router with a bf16 .grad
-    accumulated its next gradients in bf16, and torch's AdamW refused it)."""
+    accumulated its next gradients in bf16, and torch's AdamW refused it). One parametrized
+    (torch.nn.utils.parametrize) keeps its originals float32."""
 
     _FLOAT32: tuple[str, ...] = ()
 
+    def _float32_leaves(self):
+        """(module, name) of each stored tensor of _FLOAT32: a parametrized one's originals."""
+        for n in self._FLOAT32:
+            if parametrize.is_parametrized(self, n):
+                originals = self.parametrizations[n]
+                stored = [*originals.named_parameters(recurse=False), *originals.named_buffers(recurse=False)]
+                yield from ((originals, a) for a, _ in stored if a.startswith("original"))
+            elif getattr(self, n, None) is not None:
+                yield self, n
+
     def _apply(self, fn, recurse=True):
         # .data: the values themselves (the cast swaps the tensor's and its grad's data in place)
-        kept = {n: (t.data, None if t.grad is None else t.grad.data) for n in self._FLOAT32 if (t := getattr(self, n, None)) is not None}
+        kept = {(m, n): (t.data, None if t.grad is None else t.grad.data) for m, n in self._float32_leaves() if (t := getattr(m, n)) is not None}
         super()._apply(fn, recurse)
-        for name, (data, grad) in kept.items():
-            t = getattr(self, name)
+        for (m, name), (data, grad) in kept.items():
+            t = getattr(m, name)
             if t.dtype != torch.float32:
                 t.data = data.to(device=t.device)
             if t.grad is not None and t.grad.dtype != t.dtype:

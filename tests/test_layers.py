@@ -512,6 +512,33 @@ def test_module_owns_parameters_and_keeps_router_and_bias_float32():
     assert all(torch.equal(p, torch.zeros_like(p)) for n, p in layer.named_parameters() if "b_" in n or "bias" in n)
 
 
+def test_a_parametrized_router_stays_float32_when_the_module_is_cast():
+    """With torch.nn.utils.parametrize on the router, .to(bfloat16) made its original bf16 (the float32 value was
+    restored into the parametrization's computed tensor, and lost): the forward then refused the bf16 router. Its
+    originals stay float32 now, their gradients too, and a parametrization of two originals (weight_norm's) as well."""
+
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return 1.5 * w
+
+    layer = MoE(H, FFN, MoEConfig(n_experts=4, k=2))
+    router = layer.router.detach().clone()
+    torch.nn.utils.parametrize.register_parametrization(layer, "router", Scale())
+    x = torch.randn(5, H)
+    layer(x)[0].sum().backward()
+    layer.to(torch.bfloat16)
+    original = layer.parametrizations.router.original
+    assert original.dtype == torch.float32 and torch.equal(original.data, router)
+    assert original.grad.dtype == torch.float32 and layer.experts.w_up.dtype == torch.bfloat16
+    assert layer.router.dtype == torch.float32 and torch.equal(layer.router, 1.5 * router)
+    y, stats = layer(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and stats["tokens_per_expert"].sum() == 10
+
+    normed = torch.nn.utils.parametrizations.weight_norm(MoE(H, FFN, MoEConfig(n_experts=4, k=2)), "router").to(torch.bfloat16)
+    assert {n: t.dtype for n, t in normed.parametrizations.router.named_parameters()} == {"original0": torch.float32, "original1": torch.float32}
+    assert normed(x.to(torch.bfloat16))[0].dtype == torch.bfloat16
+
+
 def test_module_matches_the_functional_layer():
     cfg = MoEConfig(n_experts=4, k=2, score="sigmoid")
     layer = MoE(H, FFN, cfg, shared_ffn=FS, shared_gate=True, expert_bias=True)
