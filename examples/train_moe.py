@@ -565,8 +565,8 @@ def _run(argv: list[str], locks: list) -> None:
         if profile_steps is not None and profile_steps[0] > last:  # nothing would be traced, without a word
             raise ValueError(f"--profile: steps {cfg.profile} start past the run's last step "
                              f"(--steps={cfg.steps}{f', --stop_at={cfg.stop_at}' if cfg.stop_at > 0 else ''})")
-        profiler = StepProfiler(cfg.out_dir, profile_steps, rank=int(os.environ.get("RANK", "0")), device_type=device.type,
-                                memory=cfg.memory_snapshot)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # a caller's group: its own rank
+        profiler = StepProfiler(cfg.out_dir, profile_steps, rank=rank, device_type=device.type, memory=cfg.memory_snapshot)
     except ValueError as err:
         sys.exit(str(err))
     try:  # a signal or the time limit: stop after the step, with a checkpoint (fmoe.train.run)
@@ -585,7 +585,9 @@ def _run(argv: list[str], locks: list) -> None:
     world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))  # an int: run_script checked it
     # torchrun sets the four; a WORLD_SIZE left in a shell (plain python) made torch's 20-line "RANK expected"
     missing = [] if caller_group or world == 1 else [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if world < 1 or missing:
+    if world < 1:
+        sys.exit(f"WORLD_SIZE: expected an int of at least 1 in the environment (as torchrun sets it), got {os.environ.get('WORLD_SIZE')!r}")
+    if missing:
         sys.exit(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} in the environment" + (f" without {', '.join(missing)}" if missing else "")
                  + ": launch several processes with torchrun (python -m torch.distributed.run --nproc-per-node=N ...), "
                  "or unset WORLD_SIZE for one")

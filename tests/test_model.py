@@ -1149,6 +1149,32 @@ def test_a_model_of_one_s_own_starts_its_torch_norms_at_1_and_every_bias_at_0():
     assert all(torch.equal(t, own[n]) for n, t in meta.state_dict().items())
 
 
+@pytest.mark.parametrize("zero_centered_norms", [False, True], ids=["gain", "zero_centered"])
+def test_every_kind_of_torch_norm_of_one_s_own_starts_at_gain_1_whatever_its_name(zero_centered_norms):
+    """Each of fmoe.model.TORCH_NORMS starts at gain 1 and bias 0 in a model of one's own, under any name: one named
+    like fmoe's norms ("inorm.weight" ends in "norm.weight") too, where a zero-centred model's rule would give 0."""
+    from torch import nn
+
+    from fmoe.model import TORCH_NORMS
+
+    built = {nn.LayerNorm: (8,), nn.RMSNorm: (8,), nn.GroupNorm: (2, 4), nn.SyncBatchNorm: (4,)}
+
+    class Own(Transformer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.own = nn.ModuleDict({kind.__name__: kind(*built.get(kind, (4,)), **({} if kind in built else {"affine": True}))
+                                      for kind in TORCH_NORMS})
+            self.inorm = nn.InstanceNorm1d(4, affine=True)
+
+    model = Own(dataclasses.replace(TINY, zero_centered_norms=zero_centered_norms))
+    model.reset_parameters(seed=5)
+    norms = [*model.own.values(), model.inorm]
+    assert len(norms) == len(TORCH_NORMS) + 1 == 11
+    for norm in norms:
+        assert torch.equal(norm.weight, torch.ones_like(norm.weight)), type(norm).__name__
+        assert getattr(norm, "bias", None) is None or torch.equal(norm.bias, torch.zeros_like(norm.bias)), type(norm).__name__
+
+
 def _garbage_in_the_allocator():
     """Leave freed memory full of NaN and huge numbers, as a long-running process's is."""
     for value in (float("nan"), 3e38, -1e30):

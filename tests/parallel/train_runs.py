@@ -32,6 +32,9 @@ def main(spec: str) -> None:
     loader.loader.exec_module(script)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
+        # the caller's group: main takes it as it is, without the launcher's variables (a group made otherwise has none)
+        for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name)
     sys.path.insert(0, str(SCRIPT.parents[1]))  # the repository root, for tests.parallel.dist when run by hand
     from tests.parallel.dist import own_groups
 

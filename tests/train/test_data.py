@@ -348,6 +348,15 @@ def test_a_memory_mapped_dataset_pickles_as_its_file_not_a_copy(tmp_path):
     in_memory = TokenDataset(np.asarray(data), starts, ends - starts, None, vocab_size=200, eos=0)
     again = pickle.loads(pickle.dumps(in_memory))
     assert not isinstance(again.data, np.memmap) and np.array_equal(again.data, data) and again.label_mask is None
+    # memmaps of one's own: one past a file's header (offset), a slice of one, a copy-on-write one edited in memory
+    (tmp_path / "header.u16").write_bytes(np.full(64, 7, dtype=np.uint16).tobytes() + tokens.tobytes())
+    edited = np.memmap(tmp_path / "tokens.u16", dtype=np.uint16, mode="c")
+    edited[1:5] = 199
+    for own in (np.memmap(tmp_path / "header.u16", dtype=np.uint16, mode="r", offset=128), data[100:], edited):
+        ends = np.flatnonzero(own == 0)
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        again = pickle.loads(pickle.dumps(TokenDataset(own, starts, ends - starts, None, vocab_size=200, eos=0)))
+        assert np.array_equal(again.data, own), (own[:5], again.data[:5])
 
 
 def test_epoch_rollover():
