@@ -18,6 +18,7 @@ from tests.exits import exits
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import evaluate  # noqa: E402
+from tests.sessions import run_in_session  # noqa: E402
 
 TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2",
         "--model.ffn_expert=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.head_dim=16", "--model.mtp_depth=1",
@@ -26,7 +27,7 @@ TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model
 
 def _cli(*args, ranks: int = 1):
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    return subprocess.run([*launch, str(ROOT / "examples" / "evaluate.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
+    return run_in_session([*launch, str(ROOT / "examples" / "evaluate.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

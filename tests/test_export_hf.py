@@ -27,6 +27,7 @@ import export_hf  # noqa: E402
 from generate import load_run, stop_ids, text_codec  # noqa: E402
 
 from fmoe.train.data import read_index  # noqa: E402
+from tests.sessions import run_in_session  # noqa: E402
 
 # how the runs train (a Hugging Face folder's run takes these alone: its architecture is the folder's), then the model
 RUN = ["--model.mtp_depth=1", "--tokens_per_micro_batch=128", "--batch_schedule=0:2", "--steps=2", "--eval_every=2", "--eval_batches=1",
@@ -45,7 +46,7 @@ def _train(out, *args, knobs=TINY):
 
 def _export(*args, ranks=1):
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    return subprocess.run([*launch, str(ROOT / "examples" / "export_hf.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
+    return run_in_session([*launch, str(ROOT / "examples" / "export_hf.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 def _docs(vocab, seed=0):
@@ -294,7 +295,7 @@ def test_two_ranks_that_read_other_hf_folders_stop_together(hf_run, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "eos_token_id": 7}))
     for copy, said in ((bare, "rank 1: --hf_config: not a Hugging Face folder"),
                        (other, f"--hf_config: the ranks read different configs from {str(folder)!r}; every node must hold the same folder")):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        done = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                str(ROOT / "tests" / "parallel" / "one_rank_fault.py"), "other_path", "export_hf", str(run), str(tmp_path / "out"),
                                f"--hf_config={folder}"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "FMOE_TEST_OTHER_PATH": f"={folder}=>={copy}"})

@@ -20,6 +20,7 @@ import generate  # noqa: E402
 
 import fmoe  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
+from tests.sessions import run_in_session  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
@@ -293,7 +294,7 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     samples = [line.split(",") for line in one.stdout.splitlines() if not line.startswith("--- sample")]
     assert len(samples) == 2 and all(1 <= len(ids) <= 7 for ids in samples) and samples[0] != samples[1]  # two different draws
     for knobs in ([], ["--tp=2", "--ep=2"], ["--etp=2", "--keep_gathered"]):
-        cli = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args, *knobs],
+        cli = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args, *knobs],
                              capture_output=True, text=True, timeout=600)
         assert cli.returncode == 0, (knobs, cli.stderr[-3000:])
         assert cli.stdout == one.stdout, knobs  # rank 0 prints, the same tokens

@@ -24,6 +24,7 @@ from fmoe import hf  # noqa: E402
 from fmoe.layers import lightning_decay  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 from fmoe.train.data import make_batch  # noqa: E402
+from tests.sessions import run_in_session  # noqa: E402
 
 V = 64
 FALCON_H1_MULTIPLIERS = dict(key_multiplier=0.5, attention_in_multiplier=2.0, attention_out_multiplier=0.25, ssm_in_multiplier=0.5, ssm_out_multiplier=2.0,
@@ -4612,7 +4613,7 @@ def test_the_loop_loads_a_released_model_into_sharded_ranks(tmp_path):
     runs = []
     for launch, out in (([sys.executable], "one"), ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"], "two")):
         extra = ["--ep=2"] if out == "two" else []
-        run = subprocess.run([*launch, *args, f"--out_dir={tmp_path / out}", *extra], capture_output=True, text=True, timeout=600, env=env)
+        run = run_in_session([*launch, *args, f"--out_dir={tmp_path / out}", *extra], capture_output=True, text=True, timeout=600, env=env)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
         runs.append([json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()])
     one, two = runs

@@ -12,6 +12,7 @@ import torch
 import fmoe
 import fmoe.ops
 import fmoe.optim
+from tests.sessions import run_in_session
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def test_readme_torchrun_example_runs(tmp_path):
     """The README's fmoe.parallel example, under torchrun with 2 gloo processes."""
     code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
     (tmp_path / "demo.py").write_text(code)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "demo.py")],
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "demo.py")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     # the two ranks print concurrently: a line's text and its newline may be written apart

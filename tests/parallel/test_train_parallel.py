@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from fmoe.train import checkpoint
+from tests.sessions import run_in_session
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -30,7 +31,7 @@ STEPS = 5
 def _launch(nproc, script, *args, timeout=900):
     """`script` run by torchrun on nproc ranks (by python itself for 1); its completed process, checked."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    run = subprocess.run([*launch, str(script), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_in_session([*launch, str(script), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     failed = "".join(f"{line}\n" for line in run.stderr.splitlines() if line.startswith("train_runs: "))  # which of several runs
     assert run.returncode == 0, failed + run.stdout[-2000:] + run.stderr[-4000:]
     assert "returned a view tensor" not in run.stderr, run.stderr[-4000:]  # FSDP2's warning: fmoe.parallel.fsdp.shard_unit
@@ -304,7 +305,7 @@ def test_ranks_that_read_different_data_stop_with_one_message(tmp_path):
     data.mkdir()
     for i in range(6):
         (data / f"doc{i}.txt").write_text(f"document {i}: " + "some text to train on. " * (20 + i))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_fault.py"),
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_fault.py"),
                           "short_data", "train_moe", f"--out_dir={tmp_path / 'run'}", *TINY, f"--data={data}", "--eval_batches=0"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     said = ("--data: the ranks read different data (rank 0: 6 documents, 3,183 tokens; rank 1: 5 documents, 2,595 tokens); each rank "
@@ -313,14 +314,14 @@ def test_ranks_that_read_different_data_stop_with_one_message(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     for i in range(1, 6):  # one file: rank 1 finds none, and refuses alone; rank 0 says it (before, rank 1 did, a minute later)
         (data / f"doc{i}.txt").unlink()
-    run = subprocess.run(run.args, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_in_session(run.args, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     said = f"rank 1: data: source 'data' ({data}): path: no non-empty files under '{data}'"
     assert run.returncode != 0 and said in run.stderr, run.stdout[-2000:] + run.stderr[-4000:]
 
 
 def _one_rank_fault(fault, script, *args, other_path=""):
     """examples/<script>.py on 2 ranks, rank 1 with `fault` (one_rank_fault.py): the completed process."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_fault.py"),
+    return run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "one_rank_fault.py"),
                            fault, script, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "FMOE_TEST_OTHER_PATH": other_path})
 
@@ -598,7 +599,7 @@ def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):
 def test_under_torchrun_a_bad_knob_is_said_once(tmp_path):
     """Every rank refuses the knob; rank 0 says so and the others, having seen its refusal in
     torchrun's store, leave it to rank 0 (fmoe.train.run.run_script): the message comes once."""
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", "--stepz=4"],
                          capture_output=True, text=True, timeout=300)
     said = "unknown argument '--stepz=4'; did you mean --steps? --help lists every knob"

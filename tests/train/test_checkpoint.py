@@ -22,6 +22,7 @@ import fmoe.optim
 from fmoe.layers import MoEConfig
 from fmoe.model import MoE
 from fmoe.train import checkpoint as ckpt
+from tests.sessions import run_in_session
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -318,7 +319,7 @@ say(f"loaded {{[g['lr'] for g in one.param_groups]}} {{[g['lr'] for g in apart.p
 dist.destroy_process_group()
 """
     (tmp_path / "regroup.py").write_text(script)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "regroup.py")],
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "regroup.py")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     said = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]

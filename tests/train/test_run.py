@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import fmoe.train.run
 from fmoe.train.run import ArgumentParser, StopRequests, every_rank, nearest, raise_together, run_script
+from tests.sessions import run_in_session
 
 
 def _handlers():
@@ -379,7 +380,7 @@ def test_under_torchrun_the_ranks_meet_in_its_agent_s_store(tmp_path):
               "    finally:\n        store.wait(['seen'], timedelta(seconds=120))  # until rank 1 has looked\n"
               "else:\n    print('rank 1 saw:', run._rank_0_refusal(store, time.monotonic() + 120), flush=True)\n    store.set('seen', '1')\n")
     (tmp_path / "meet.py").write_text(script)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "meet.py")],
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "meet.py")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "rank 1 saw: --x: refused\n" in run.stdout, (run.stdout, run.stderr[-3000:])
     assert run.stderr.count("--x: refused") == 1, run.stderr[-3000:]  # rank 0's, once
