@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import (_device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, say_read, start_ranks, text_codec,  # noqa: E402
+from generate import (_device, add_parallel_knobs, command_knobs, is_hf_folder, load_model, load_sharded, say_read, start_ranks, text_codec,  # noqa: E402
                       with_tokenizer)
 
 import fmoe.parallel as parallel  # noqa: E402
@@ -401,7 +401,7 @@ def main(argv: list[str]) -> None:
         if world == 1 and all(v == 1 for v in sizes.values()):
             model, run = load_model(args.path, impl=impl, dtype=dtype, device=device)
         else:  # several processes: each holds and reads its own shards of the model
-            device = start_ranks(device, sizes)
+            device = start_ranks(device, sizes, command_knobs(args, ("path", "data", "choices", "tokenizer")))
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:

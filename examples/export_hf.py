@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import (_byte_run, _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, run_eos,  # noqa: E402
+from generate import (_byte_run, _device, add_parallel_knobs, command_knobs, is_hf_folder, load_run, load_sharded, named_tokenizer, run_eos,  # noqa: E402
                       say_read, start_ranks, with_tokenizer)
 
 import fmoe.hf  # noqa: E402
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> None:
         if world == 1:
             model, run = load_run(args.path, impl="torch")
         else:  # each rank holds and reads its own shards of the model
-            device = start_ranks(_device(args.device.split(":")[0]), sizes)
+            device = start_ranks(_device(args.device.split(":")[0]), sizes, command_knobs(args, ("path", "out", "hf_config", "tokenizer")))
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=torch.float32, impl="torch")
     except (OSError, ValueError, KeyError) as err:

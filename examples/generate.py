@@ -73,7 +73,7 @@ from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
 from fmoe.ops.checks import MissingExtra
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
-from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_path, run_script
+from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_path, run_script, same_command_lines
 
 
 def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, dict]:
@@ -343,10 +343,22 @@ def _knobs(sizes: dict) -> str:
     return f"parallel knobs ({', '.join(f'--{axis}' for axis in sizes)})"
 
 
-def start_ranks(device: torch.device, sizes: dict) -> torch.device:
+def command_knobs(args: argparse.Namespace, paths: Sequence[str]) -> dict:
+    """args' knobs that every rank must share (start_ranks compares them): `paths` left out
+    (each rank reads its own copy of those files, compared by what they hold), --device by
+    its type (each rank takes its LOCAL_RANK's GPU)."""
+    knobs = {name: value for name, value in vars(args).items() if name not in paths}
+    if "device" in knobs:
+        knobs["device"] = str(knobs["device"]).split(":")[0]
+    return knobs
+
+
+def start_ranks(device: torch.device, sizes: dict, knobs: Optional[dict] = None) -> torch.device:
     """Under torchrun: check the axis sizes against the world, take this rank's GPU
     (LOCAL_RANK) for a cuda device, and start the process group (nccl on cuda, else gloo);
-    returns the device. ValueError for sizes the world does not hold."""
+    returns the device. ValueError for sizes the world does not hold. knobs (command_knobs):
+    the ranks compare them at once, and a difference stops every rank with one message (a
+    rank given other --batches or --tokens scored on without a word, or hung)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         parallel.plan_sizes(world, **sizes)
@@ -356,6 +368,8 @@ def start_ranks(device: torch.device, sizes: dict) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if knobs is not None and (refusal := same_command_lines(knobs)):
+        raise SystemExit(refusal)
     return device
 
 
@@ -568,7 +582,7 @@ def main(argv: list[str]) -> None:
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if world > 1 or any(v != 1 for v in sizes.values()):  # several processes: each holds and reads its own shards
-            device = start_ranks(device, sizes)
+            device = start_ranks(device, sizes, command_knobs(args, ("path", "tokenizer", "chat_template")))
             group = dist.group.WORLD
     except ValueError as err:
         sys.exit(str(err))

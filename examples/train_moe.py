@@ -72,8 +72,8 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, batch_layout, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import (NON_FINITE, OutDirLock, StopRequests, every_rank, nearest, refuse_link, run_script, saved_config,
-                            set_deterministic, unshared_dir, write_config)
+from fmoe.train.run import (NON_FINITE, OutDirLock, StopRequests, command_line_facts, command_lines_differ, every_rank, nearest, per_rank,
+                            refuse_link, run_script, saved_config, set_deterministic, unshared_dir, write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -252,29 +252,12 @@ def _rank_knobs(cfg: Config) -> str:
     PATH_KNOBS left out): what every rank of a run must share."""
     knobs = {name: value for name, value in dataclasses.asdict(cfg).items() if name not in ("model", *PATH_KNOBS)}
     knobs.update({f"model.{name}": value for name, value in cfg.model_overrides.items()})
-    return json.dumps(knobs, sort_keys=True, default=str)
-
-
-def _per_rank(every: list, prefix: str = "") -> str:
-    """Each rank's values of the keys in which the ranks' dicts (sorted JSON) differ, as
-    "rank 0: k=v, ...; rank 1: ..." (a key a rank lacks: "(not given)")."""
-    given = [json.loads(e) for e in every]
-
-    def value(g, k):
-        return g.get(k, "(not given)")
-
-    differ = [k for k in sorted({k for g in given for k in g}) if any(value(g, k) != value(given[0], k) for g in given)]
-    return "; ".join(f"rank {r}: " + ", ".join(f"{prefix}{k}={value(g, k)}" for k in differ) for r, g in enumerate(given))
-
-
-def _differing_knobs(every: list) -> str:
-    """The knobs in which the ranks' command lines differ (each rank's _rank_knobs)."""
-    return f"the ranks' command lines differ ({_per_rank(every, '--')}): every rank must run the same one (torchrun: the same command on every node)"
+    return command_line_facts(knobs)
 
 
 def _differing_models(every: list) -> str:
     """The knobs in which the ranks' models (each rank's TransformerConfig as sorted JSON) differ."""
-    return f"--data, --init_from_hf: the ranks built different models from their files ({_per_rank(every)}); every node must hold the same files"
+    return f"--data, --init_from_hf: the ranks built different models from their files ({per_rank(every)}); every node must hold the same files"
 
 
 SCHEDULE_KNOBS = ("steps", "lr", "min_lr", "init_lr", "warmup", "lr_style", "wsd_decay", "wsd_style")
@@ -640,7 +623,7 @@ def _run(argv: list[str], locks: list) -> None:
                                     **({"timeout": datetime.timedelta(minutes=cfg.collective_timeout)} if cfg.collective_timeout else {}))
         # before the first collective that the knobs shape: a rank of another --lr or --seed trained on without a word, one
         # of other --steps or --ep hung in a collective of its own
-        if refusal := every_rank(None, _rank_knobs(cfg), _differing_knobs)[0]:
+        if refusal := every_rank(None, _rank_knobs(cfg), command_lines_differ)[0]:
             sys.exit(refusal)
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")

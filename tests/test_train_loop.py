@@ -280,7 +280,7 @@ def test_ranks_knobs_are_compared_as_given_and_their_differences_named():
     # the same --model.* knobs in another order: the same command line
     assert tm._rank_knobs(tm.parse_args(["--model.k=1", "--model.n_layers=3"])) == tm._rank_knobs(tm.parse_args(["--model.n_layers=3", "--model.k=1"]))
     other = tm._rank_knobs(tm.parse_args(["--lr=0.01", "--model.k=1", "--seed=3"]))
-    assert tm._differing_knobs([base, other, base]) == (
+    assert tm.command_lines_differ([base, other, base]) == (
         "the ranks' command lines differ (rank 0: --model.k=(not given), --seed=0; rank 1: --model.k=1, --seed=3; rank 2: --model.k=(not "
         "given), --seed=0): every rank must run the same one (torchrun: the same command on every node)")
 

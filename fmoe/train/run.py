@@ -503,6 +503,38 @@ def every_rank(refusal: Optional[str], facts=None, differ: Optional[Callable[[li
     return refusal, every
 
 
+def per_rank(every: list, prefix: str = "") -> str:
+    """Each rank's values of the keys in which the ranks' dicts (every: each rank's as sorted
+    JSON) differ, as "rank 0: k=v, ...; rank 1: ..." (a key a rank lacks: "(not given)")."""
+    given = [json.loads(e) for e in every]
+
+    def value(g, k):
+        return g.get(k, "(not given)")
+
+    differ = [k for k in sorted({k for g in given for k in g}) if any(value(g, k) != value(given[0], k) for g in given)]
+    return "; ".join(f"rank {r}: " + ", ".join(f"{prefix}{k}={value(g, k)}" for k in differ) for r, g in enumerate(given))
+
+
+def command_line_facts(knobs: dict) -> str:
+    """A rank's command-line knobs (name -> value) as every_rank compares them: sorted JSON."""
+    return json.dumps(knobs, sort_keys=True, default=str)
+
+
+def command_lines_differ(every: list) -> str:
+    """The refusal for ranks whose command lines differ (every: each rank's command_line_facts)."""
+    return (f"the ranks' command lines differ ({per_rank(every, '--')}): every rank must run the same one "
+            "(torchrun: the same command on every node)")
+
+
+def same_command_lines(knobs: dict) -> Optional[str]:
+    """Under torch.distributed, called by every rank right after the process group starts:
+    command_lines_differ's refusal where the ranks' knobs (name -> value; the paths each rank
+    reads itself left out by the caller, their files compared by what they hold) differ, the
+    same on every rank; None where they agree, and on one process. A rank given another
+    setting trained or scored on without a word, or hung in a collective the others skipped."""
+    return every_rank(None, command_line_facts(knobs), command_lines_differ)[0]
+
+
 def unshared_dir(path, *, wait_seconds: float = 10.0) -> Optional[str]:
     """Under torch.distributed, called by every rank once rank 0 has made `path` (a run's
     out_dir): a refusal where some rank does not see a file rank 0 writes there (a node's own

@@ -333,7 +333,8 @@ def test_evaluate_and_generate_stop_where_a_rank_reads_other_files(tmp_path):
     run folder without its config.json on rank 1 held rank 1's message a minute while rank 0
     waited in a collective, other questions or data were scored, mixed, without a word, and
     ranks whose prompts or end-of-text ids differed (a tokenizer, chat template or
-    generation_config.json of their own) aborted in a collective or hung after the output."""
+    generation_config.json of their own) aborted in a collective or hung after the output.
+    Ranks given other knobs (--batches, --tokens, --dtype, ...) are refused at the start."""
     run = tmp_path / "run"
     _train(run, 1, "--stop_at=2")
     _train(run, 1, "--resume", "--stop_at=3")
@@ -352,8 +353,14 @@ def test_evaluate_and_generate_stop_where_a_rank_reads_other_files(tmp_path):
          "must see the same files: name one checkpoint directory"),
         (("other_path", "generate", str(run), "--prompt_ids=1,2", "--tokens=2"), f"{run}=>{elsewhere}",
          f"rank 1: path: '{elsewhere}' is neither an fmoe run directory"),
+        # a knob of the command line given otherwise on one rank: said at the start (another --batches scored a mixture of
+        # both ranks' micro-batches, exit 0; another --tokens or --ep hung; another --dtype aborted in gloo)
         (("other_path", "generate", str(run), "--prompt_ids=1,2", "--tokens=2"), "--prompt_ids=1,2=>--prompt_ids=1,3",
-         "--prompt: the ranks made different prompt ids or end-of-text ids from their files"),
+         "the ranks' command lines differ (rank 0: --prompt_ids=1,2; rank 1: --prompt_ids=1,3): every rank must run the same one"),
+        (("other_path", "evaluate", str(run), "--batches=2", "--json"), "--batches=2=>--batches=3",
+         "the ranks' command lines differ (rank 0: --batches=2; rank 1: --batches=3): every rank must run the same one"),
+        (("other_path", "export_hf", str(run), str(tmp_path / "export"), "--dtype=float32"), "--dtype=float32=>--dtype=bfloat16",
+         "the ranks' command lines differ (rank 0: --dtype=float32; rank 1: --dtype=bfloat16): every rank must run the same one"),
         (("other_path", "evaluate", str(run), f"--choices={tmp_path / 'q.jsonl'}"), "q.jsonl=>q1.jsonl",
          f"--choices: {tmp_path / 'q.jsonl'}: the ranks read different questions from it; every node must hold the same file"),
         (("short_data", "evaluate", str(run), f"--data={data}", "--split=all", "--batches=2", "--tokens_per_micro_batch=96"), "",
