@@ -18,7 +18,8 @@ default), picked as the loop picks its validation batches (Blend.validation_batc
 sources in their weights' proportions, each source's documents in stored order), so an
 fmoe run's defaults reproduce the validation loss it logged; --batches=0 takes every whole
 micro-batch of every source. --whole_documents (by default the run's): a document that does
-not fit the rest of a micro-batch starts the next one, the rest padding (Sampler).
+not fit the rest of a micro-batch starts the next one, the rest padding (Sampler). --dtype
+(by default the run's; float32 for an HF folder): the weights' dtype.
 
 Under torchrun the model may be larger than one device: each rank builds it on the meta
 device, parallelized over --tp, --ep, --etp and --cp (the rest of the world shards it with
@@ -46,7 +47,8 @@ instead: {"loss", "tokens", "perplexity", "bits_per_byte" (or "bits_per_token"),
 "by_source": {name: {the same four}}, "mtp_losses", "micro_batches"}. A
 source (or MTP depth) with no counted token has no loss (null), and an evaluation with
 none at all stops with an error; a source without a micro-batch is named in a note
-(standard error).
+(standard error). A diverged run's NaN or infinite values are the strings "nan" and "inf"
+(strict JSON, as config.json writes them).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from generate import (_device, add_parallel_knobs, command_knobs, is_hf_folder, 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
 from fmoe.train.data import Blend  # noqa: E402
-from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_script  # noqa: E402
+from fmoe.train.run import ArgumentParser, every_rank, raise_together, run_script, saved_config, strict_json  # noqa: E402
 
 
 @torch.no_grad()
@@ -360,7 +362,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--whole_documents", action=argparse.BooleanOptionalAction, default=None,
                         help="a document that does not fit the rest of a micro-batch starts the next one (default: the run's, else no)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype (default: an fmoe run's own --dtype, its auto bfloat16 on cuda and float32 elsewhere; "
+                        "float32 for an HF folder)")
     axes = add_parallel_knobs(parser, cp=True, per="micro-batch")
     parser.add_argument("--choices", type=Path, default=None,
                         help="a JSON Lines file of multiple-choice questions to score instead of the data's loss")
@@ -375,9 +379,11 @@ def main(argv: list[str]) -> None:
         sys.exit("--tokenizer: it encodes --choices' texts, which are not given (a loss on token data needs no tokenizer)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sizes = {axis: getattr(args, axis) for axis in axes}
-    meshes, rank, dtype = None, 0, getattr(torch, args.dtype)
+    meshes, rank = None, 0
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
+        args.dtype = args.dtype or _run_dtype(args.path, device)  # before the ranks compare their knobs: each rank's own reading
+        dtype = getattr(torch, args.dtype)
         if args.questions < 0:
             raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
         if args.separator is not None and args.separator < 0:
@@ -495,7 +501,7 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
     result = dict(score_choices(questions, logprobs), choices_cut=cut)
     if meshes is None or dist.get_rank() == 0:
         if args.json:
-            print(json.dumps(result))
+            print(json.dumps(strict_json(result), allow_nan=False))
         else:
             print(f"{args.choices.name}: {result['questions']} questions, accuracy {result['accuracy']:.4f}, "
                   f"length-normalised accuracy {result['accuracy_norm']:.4f}"
@@ -504,18 +510,36 @@ def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: to
         parallel.leave_ranks()
 
 
+_LOG_MAX_FLOAT = math.log(sys.float_info.max)
+
+
+def _run_dtype(path: Path, device: torch.device) -> str:
+    """--dtype's default: an fmoe run's own (its config.json's --dtype, path the run or one of
+    its checkpoints; auto: bfloat16 on cuda, float32 elsewhere), so that the defaults
+    reproduce its logged validation loss; float32 for an HF folder or a run without it."""
+    for folder in (path, path.parent):
+        knobs = saved_config(folder).get("config")
+        if isinstance(knobs, dict) and isinstance(knobs.get("dtype"), str):
+            chosen = knobs["dtype"]
+            return ("bfloat16" if device.type == "cuda" else "float32") if chosen == "auto" else chosen
+    return "float32"
+
+
 def with_rates(r: dict, unit: str) -> dict:
     """r ({"loss", "tokens", ...}) with its perplexity, exp(loss), and bits_per_<unit>,
     loss / ln 2 (None for a loss of None)."""
     none = r["loss"] is None
-    return {**r, "perplexity": None if none else math.exp(r["loss"]), f"bits_per_{unit}": None if none else r["loss"] / math.log(2)}
+    # a diverged run's loss past 709.78: exp overflows a float (math.exp raised OverflowError)
+    perplexity = None if none else math.exp(r["loss"]) if r["loss"] <= _LOG_MAX_FLOAT else math.inf
+    return {**r, "perplexity": perplexity, f"bits_per_{unit}": None if none else r["loss"] / math.log(2)}
 
 
 def report(result: dict, *, unit: str, as_json: bool) -> None:
     """Print evaluate's result: one JSON object (a loss over no token null), or a line per
     source (and overall when there are several) and per MTP depth."""
     if as_json:
-        print(json.dumps({**with_rates(result, unit), "by_source": {n: with_rates(r, unit) for n, r in result["by_source"].items()}}))
+        record = {**with_rates(result, unit), "by_source": {n: with_rates(r, unit) for n, r in result["by_source"].items()}}
+        print(json.dumps(strict_json(record), allow_nan=False))  # a NaN or infinite value as "nan" / "inf", as config.json writes them
         return
     rows = [*result["by_source"].items()] + ([("all", result)] if len(result["by_source"]) > 1 else [])
     nothing = "no loss: no token with a next one in its document and micro-batch was counted"

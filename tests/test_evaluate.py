@@ -280,6 +280,30 @@ def test_json_has_the_perplexity_and_bits_the_text_prints(capsys):
     assert text[2] == f"all: 7 tokens, loss 2.0000, perplexity {got['perplexity']:.3f}, bits per token {got['bits_per_token']:.4f}"
 
 
+def test_a_diverged_run_s_numbers_print_as_strict_json(capsys):
+    """A finite loss past 709.78 (a diverged run) stopped the report on math.exp's OverflowError, and a NaN loss printed
+    bare NaN, which strict JSON readers refuse: now perplexity inf, and "inf" / "nan" as config.json writes them."""
+    result = dict(loss=800.0, tokens=7, by_source=dict(a=dict(loss=800.0, tokens=3), b=dict(loss=float("nan"), tokens=4)), mtp_losses=[float("inf")])
+    evaluate.report(result, unit="token", as_json=True)
+    got = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
+    assert got["perplexity"] == "inf" and got["loss"] == 800.0 and got["by_source"]["b"]["loss"] == "nan" and got["mtp_losses"] == ["inf"]
+    evaluate.report(result, unit="token", as_json=False)
+    assert capsys.readouterr().out.splitlines()[0] == "a: 3 tokens, loss 800.0000, perplexity inf, bits per token 1154.1560"
+
+
+def test_dtype_defaults_to_the_run_s_own(tmp_path):
+    """evaluate.py loaded every run in float32: a bf16 run's defaults missed its logged validation loss (2.9e-4 off).
+    --dtype now defaults to the run's (auto: bfloat16 on cuda, float32 elsewhere), float32 for an HF folder."""
+    for dtype, device, want in (("bfloat16", "cpu", "bfloat16"), ("auto", "cpu", "float32"), ("auto", "cuda", "bfloat16"), ("float16", "cuda", "float16")):
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / "config.json").write_text(json.dumps({"config": {"dtype": dtype}}))
+        for path in (tmp_path / "run", tmp_path / "run" / "step_000003"):
+            assert evaluate._run_dtype(path, torch.device(device)) == want, (dtype, device, path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16"}))
+    assert evaluate._run_dtype(tmp_path / "hf", torch.device("cuda")) == "float32"
+
+
 BAD_KNOBS = [
     (["--split=test"], "argument --split: invalid choice: 'test'"),
     (["--batches=-1"], "--batches: expected >= 0"),

@@ -145,16 +145,16 @@ def run_info() -> dict:
 NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-def _strict(value):
+def strict_json(value):
     """value with each non-finite float (a knob such as --clip=inf) as its NON_FINITE string,
     in the dicts, lists and tuples it holds: Python's json wrote Infinity and NaN, which strict
     JSON readers (jq, JavaScript, most languages' parsers) refuse."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
     if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
+        return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
+        return [strict_json(v) for v in value]
     return value
 
 
@@ -273,7 +273,7 @@ def write_config(out_dir, config: dict, **extra) -> Path:
         earlier = [*(kept if isinstance(kept, list) else []), before["run"]]
     record = {"config": config, **extra, "run": run_info(), **({"earlier_runs": earlier} if earlier else {})}
     record = json.loads(json.dumps(record, default=str))  # default's strings first
-    path.write_text(json.dumps(_strict(record), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(strict_json(record), indent=2, allow_nan=False) + "\n")
     return path
 
 
