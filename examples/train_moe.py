@@ -1329,7 +1329,7 @@ def _run(argv: list[str], locks: list) -> None:
     if rank == 0 and record is None:
         print(f"done: the run in {cfg.out_dir} is at step {step}, nothing to train up to step {last} "
               f"(--steps={cfg.steps}{f', --stop_at={cfg.stop_at}' if cfg.stop_at > 0 else ''})")
-    elif rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
+    elif rank == 0 and "val_loss" in record:  # a NaN one too (it said "no validation at this step")
         sources = record["val_loss_by_source"]
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
         unit = "byte" if corpus.byte_tokens else "token"

@@ -572,6 +572,8 @@ def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path)
     on = _train(tmp_path / "on", "--steps=3", *bad, "--check_finite=False")
     assert on.returncode == 0, on.stderr[-3000:]
     assert len(_records(tmp_path / "on")) == 3
+    # the diverged values shown as such: the step lines left them out, and the end said "no validation at this step"
+    assert re.search(r"step 3/3 loss nan .*gnorm nan", on.stdout) and "done: step 3, validation loss nan" in on.stdout, on.stdout[-2000:]
 
 
 def test_a_run_of_a_trillion_steps_plans_its_tokens_at_once(tmp_path):

@@ -674,7 +674,8 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     near 1 is balanced, E/k means one expert takes every token. `eta` is
     record["eta_seconds"]. step: an int >= 0, total_steps and width ints >= 1; each of those
     fields a number or a one-element tensor (or numpy array), else a ValueError (a value of
-    another kind, a string, is left out)."""
+    another kind, a string, is left out). A NaN or infinite loss, val or gnorm shows as nan /
+    inf; the other fields show finite values alone."""
     check_positive_int("step", step, 0)  # NaN, None, "3" gave torch's or Python's errors, naming none
     check_positive_int("total_steps", total_steps)  # 1.5 printed "step 1/1.5"
     check_positive_int("width", width)  # 0 and -3 printed "[]"
@@ -703,6 +704,8 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
             value = value.item()
         if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value):
             parts.append(f"{label} {fmt(value) if callable(fmt) else fmt.format(value)}")
+        elif isinstance(value, Real) and not isinstance(value, bool) and key in ("loss", "val_loss", "grad_norm"):
+            parts.append(f"{label} {value}")  # nan, inf: a diverged step says so (--check_finite=False went on without them shown)
     return " ".join(parts)
 
 

@@ -268,7 +268,10 @@ def test_progress_line():
     line = M.format_progress(12, 100, {"loss": torch.tensor(3.21), "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.0})
     assert line == "[##..................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.5 tok/s 12.3k"
     line = M.format_progress(3, 10, {"loss": 2.0, "load_max_over_mean": [1.2, 3.4], "eta_seconds": 125.0, "val_loss": float("nan")})
-    assert line == "[######..............] step 3/10 loss 2.0000 load 3.40 eta 2m05s"  # the worst layer; NaN left out
+    assert line == "[######..............] step 3/10 loss 2.0000 val nan load 3.40 eta 2m05s"  # the worst layer; a NaN val said
+    # a diverged step (--check_finite=False): its non-finite loss and norm shown, not left out; other fields' left out
+    line = M.format_progress(4, 10, {"loss": torch.tensor(float("nan")), "grad_norm": float("inf"), "tokens_per_s": float("nan"), "eta_seconds": math.inf})
+    assert line == "[########............] step 4/10 loss nan gnorm inf"
     assert M.format_progress(100, 100, {}) == "[####################] step 100/100"
     # layer_loads' tensors (as MetricsLogger.log takes them), a read-back record's None, a NaN anywhere: the worst finite layer
     loads = M.layer_loads(torch.tensor([[10, 2, 6, 6], [8, 8, 8, 8]]), 32)
