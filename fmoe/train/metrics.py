@@ -586,7 +586,9 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
     (fmoe.layers.MoEConfig.zero_experts): max/mean and CV are then the computing experts'
     alone, and zero_fraction [L] is the share of the slots the zero experts took.
     The maths is fmoe.ops.load_stats'; tensors in, tensors out (no host sync: to_host turns
-    them into numbers with the step's other values)."""
+    them into numbers with the step's other values). Counts given as numbers are checked:
+    finite, >= 0, and each layer's sum at most slots (a ValueError)."""
+    host = False  # counts given as numbers (on the host): their values are checked
     if isinstance(counts, Sequence) and counts and all(isinstance(row, torch.Tensor) for row in counts):
         if len({(row.shape, row.device) for row in counts}) != 1:
             raise ValueError(f"counts: expected [E] rows of one shape and device, got {[(tuple(r.shape), str(r.device)) for r in counts]}")
@@ -601,6 +603,7 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
         bad = counts[~(torch.isfinite(counts) & (counts >= 0))] if counts.is_floating_point() else counts[counts < 0]
         if bad.numel():  # a negative count gave a load, NaN NaNs, without a word
             raise ValueError(f"counts: expected finite counts >= 0, got {bad[0].item()!r}")
+        host = True
     counts_LE = counts
     if counts_LE.ndim != 2 or counts_LE.shape[1] == 0:
         raise ValueError(f"counts: expected [L, E] counts with E >= 1 (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
@@ -611,6 +614,10 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
         if isinstance(slots, bool) or not isinstance(slots, Real) or not (math.isfinite(slots) and slots >= 0 and slots == int(slots)):
             raise ValueError(f"slots: expected a whole number >= 0 or a 0-D real tensor, got {slots!r}")
         slots = int(slots)
+        if host and (routed := counts_LE.sum(dim=-1)).gt(slots).any():  # T for T k: dropped_fraction -1, without a word
+            layer = int(routed.gt(slots).nonzero()[0, 0])
+            raise ValueError(f"counts: layer {layer}'s counts sum to {routed[layer].item()!r} slots, more than slots={slots} "
+                             "(the slots requested: tokens times k)")
     check_positive_int("zero_experts", zero_experts, 0, counts_LE.shape[1] - 1)  # fewer than counts' columns
     E = counts_LE.shape[1] - zero_experts
     load = load_stats(counts_LE[:, :E], slots)

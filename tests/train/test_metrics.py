@@ -1451,6 +1451,10 @@ def test_layer_loads_checks_a_lists_counts():
     with M.HostReads() as reads:
         M.layer_loads(torch.tensor([[-1, 2]]), 4)  # a tensor: not read (its values are the caller's)
     assert reads.count == 0
+    # more slots routed than requested (T passed for T k): dropped_fraction -1.0 before, without a word
+    with pytest.raises(ValueError, match=r"^counts: layer 1's counts sum to 8 slots, more than slots=4 \(the slots requested: tokens times k\)$"):
+        M.layer_loads([[1, 3], [5, 3]], 4)
+    assert M.to_host(M.layer_loads([[1, 2]], 4))["dropped_fraction"] == [0.25]
 
 
 def test_format_progress_checks_step_and_width_and_shows_numpy_loads():
