@@ -1094,6 +1094,11 @@ def _run(argv: list[str], locks: list) -> None:
     # order, then those of validation data of its own (a held-out set under another name: left out of val_loss before)
     val_names = [name for name in corpus.names if name in val_sources] + [name for name in dict.fromkeys(val_sources) if name not in corpus.names]
     val_counts = {name: sum(int(b["loss_mask"].sum()) for b, src in zip(val_batches, val_sources) if src == name) for name in val_names}
+    left_out = [name for name in (val_set.names if val_set is not None else []) if name not in val_names]
+    if rank == 0 and left_out:  # its weight's share of the batches is none: val_loss without it, and no per-source line of it
+        shares = "their weights' shares" if len(left_out) > 1 else "its weight's share"
+        print(f"note: validation leaves out {', '.join(map(repr, left_out))}: {shares} of the --eval_batches={cfg.eval_batches} "
+              "micro-batches is none; raise --eval_batches to measure every source", flush=True)
 
     @torch.no_grad()
     def evaluate():

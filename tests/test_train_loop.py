@@ -237,6 +237,26 @@ def test_validation_data_of_one_s_own_counts_under_its_own_names(tmp_path, monke
             assert abs(means[0] - means[1]) > 1e-3 and min(means) < record["val_loss"] < max(means), record
 
 
+def test_a_blend_source_validation_leaves_out_is_named(tmp_path, capsys):
+    """Two sources weighted 3:1 and --eval_batches=1: validation measured the first alone, and
+    nothing said so (no per-source line of the other either); a note names it now."""
+    tm = _train_moe()
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        for i in range(30):
+            (tmp_path / name / f"doc{i}.txt").write_text(f"{name} document {i}: " + "some words to train on. " * 12)
+    (tmp_path / "blend.json").write_text(json.dumps([{"name": "first", "path": "first", "weight": 3},
+                                                     {"name": "second", "path": "second", "weight": 1}]))
+    argv = [f"--out_dir={tmp_path / 'run'}", *TINY, f"--data={tmp_path / 'blend.json'}", "--steps=1", "--warmup=0", "--val_percent=20", "--eval_batches=1"]
+    tm.main(argv)
+    said = ("note: validation leaves out 'second': its weight's share of the --eval_batches=1 micro-batches is none; raise "
+            "--eval_batches to measure every source")
+    assert said in capsys.readouterr().out and list(_records(tmp_path / "run")[-1]["val_loss_by_source"]) == ["first"]
+    tm.main([f"--out_dir={tmp_path / 'run4'}", *argv[1:-1], "--eval_batches=4"])
+    assert "note: validation leaves out" not in capsys.readouterr().out
+    assert list(_records(tmp_path / "run4")[-1]["val_loss_by_source"]) == ["first", "second"]
+
+
 def test_a_logged_value_the_record_lacks_is_named_with_where_its_key_goes():
     """A value of one's own logged by micro_batch_loss stopped the step with a bare
     KeyError('router_entropy'); the message now says where the key is added."""
