@@ -259,8 +259,8 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     every knob, e.g. dataclasses.asdict of the loop's Config), strict JSON: a non-finite
     float is written as the string "inf", "-inf" or "nan" (NON_FINITE; float() reads each
     back). Where config.json already holds a run (a resumed run writes it again), that run's
-    record is kept, with those before it, in "earlier_runs" (oldest first): which code and
-    machine trained each segment. Returns the path."""
+    record is kept, with those before it, in "earlier_runs" (oldest first): which code,
+    machine and knobs (its "config") trained each segment. Returns the path."""
     if not isinstance(config, dict):
         raise ValueError(f"config: expected a dict of knobs, got {type(config).__name__}")
     out_dir = Path(check_path("out_dir", out_dir))
@@ -270,7 +270,8 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     before, earlier = saved_config(out_dir), []
     if isinstance(before.get("run"), dict):
         kept = before.get("earlier_runs")
-        earlier = [*(kept if isinstance(kept, list) else []), before["run"]]
+        # the segment's knobs too: a resume with another --lr (or a default it left out) kept no trace of the earlier one's
+        earlier = [*(kept if isinstance(kept, list) else []), {**before["run"], "config": before.get("config")}]
     record = {"config": config, **extra, "run": run_info(), **({"earlier_runs": earlier} if earlier else {})}
     record = json.loads(json.dumps(record, default=str))  # default's strings first
     path.write_text(json.dumps(strict_json(record), indent=2, allow_nan=False) + "\n")

@@ -513,14 +513,14 @@ def test_saved_config_is_the_record_or_nothing(tmp_path):
         assert saved_config(tmp_path) == {}
     write_config(tmp_path, {"lr": 0.1})
     assert saved_config(tmp_path)["config"] == {"lr": 0.1} and "earlier_runs" not in saved_config(tmp_path)
-    # each resumed segment keeps every run before it, oldest first (a second resume kept only the last)
-    runs = [saved_config(tmp_path)["run"]]
+    # each resumed segment keeps every run before it, oldest first (a second resume kept only the last), with its knobs
+    runs = [{**saved_config(tmp_path)["run"], "config": {"lr": 0.1}}]
     for lr in (0.2, 0.3):
         write_config(tmp_path, {"lr": lr})
         saved = saved_config(tmp_path)
         assert saved["config"] == {"lr": lr} and saved["earlier_runs"] == runs
-        runs.append(saved["run"])
-    assert len(runs) == 3
+        runs.append({**saved["run"], "config": {"lr": lr}})
+    assert len(runs) == 3 and [r["config"]["lr"] for r in saved["earlier_runs"]] == [0.1, 0.2]
 
 
 def test_an_out_dir_the_lock_made_is_removed_while_still_held(tmp_path, monkeypatch):
