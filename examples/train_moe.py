@@ -76,8 +76,6 @@ from fmoe.train.run import (NON_FINITE, OutDirLock, StopRequests, command_line_f
                             refuse_link, run_script, saved_config, set_deterministic, unshared_dir, write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
-STARTED = time.monotonic()  # --stop_after_minutes counts from here
-
 
 # ------------------------------------------------------------------------------ knobs
 @dataclass
@@ -492,18 +490,28 @@ def _tokenizer_named(path) -> dict:
     return {k: index[k] for k in ("tokenizer", "separator")} if index and isinstance(index.get("tokenizer"), str) else {}
 
 
+def _compile_counts() -> tuple[int, int]:
+    """torch.compile's (graphs, graph breaks) so far in this process."""
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def main(argv: list[str]) -> None:
-    """One run of the command line argv. The out_dir's lock is released when it ends, however it ends: a refusal's
-    exception (its traceback holds this run's frame) kept it held until a garbage collection."""
-    locks = []
+    """One run of the command line argv. When it ends, however it ends, the out_dir's lock is released (a refusal's
+    exception, whose traceback holds this run's frame, kept it held until a garbage collection), and a process group
+    it started for one process, --deterministic's settings, the profiler and the metrics logger are closed or put
+    back as they were (called again in one process, a notebook's, a later run took the group as the caller's, ran
+    deterministic, or ran under the profiler)."""
+    cleanups = []
     try:
-        _run(argv, locks)
+        _run(argv, cleanups)
     finally:
-        for lock in locks:
-            lock.release()
+        for cleanup in reversed(cleanups):
+            cleanup()
 
 
-def _run(argv: list[str], locks: list) -> None:
+def _run(argv: list[str], cleanups: list) -> None:
+    started = time.monotonic()  # --stop_after_minutes counts from here (the module's import: a notebook's later runs stopped at once)
     cfg = parse_args(argv)
     hf_type = None
     if cfg.init_from_hf:  # the released model's own config: fine-tuning or continued pre-training
@@ -528,6 +536,8 @@ def _run(argv: list[str], locks: list) -> None:
             sys.exit(f"model knobs: {err}")
     # ------------------------------------------------------------------------ setup
     if cfg.deterministic:
+        if not torch.are_deterministic_algorithms_enabled():
+            cleanups.append(lambda: set_deterministic(False))
         set_deterministic(True)  # before any CUDA work: cuBLAS reads its workspace setting once
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         sys.exit(f"--device: expected auto, cpu, cuda or cuda:N, got {cfg.device!r}")
@@ -552,9 +562,10 @@ def _run(argv: list[str], locks: list) -> None:
         profiler = StepProfiler(cfg.out_dir, profile_steps, rank=rank, device_type=device.type, memory=cfg.memory_snapshot)
     except ValueError as err:
         sys.exit(str(err))
+    cleanups.append(profiler.close)  # an interrupted run's recording stopped too (a second close does nothing)
     try:  # a signal or the time limit: stop after the step, with a checkpoint (fmoe.train.run)
         stop_requests = StopRequests([name.strip() for name in cfg.stop_signals.split(",") if name.strip()], cfg.stop_after_minutes,
-                                     start=STARTED)
+                                     start=started)
     except ValueError as err:
         sys.exit(f"--stop_{'signals' if str(err).startswith('signals') else 'after_minutes'}: {err}")
     if cfg.collective_timeout < 0:  # finite: the parser takes no nan or inf
@@ -621,6 +632,8 @@ def _run(argv: list[str], locks: list) -> None:
         if not caller_group:  # torchrun's ranks, or one process in a group of its own
             dist.init_process_group(backend, **({} if world > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)),
                                     **({"timeout": datetime.timedelta(minutes=cfg.collective_timeout)} if cfg.collective_timeout else {}))
+            if world == 1:  # a refusal or an exception left it up: a later run in the process took it as a caller's
+                cleanups.append(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
         # before the first collective that the knobs shape: a rank of another --lr or --seed trained on without a word, one
         # of other --steps or --ep hung in a collective of its own
         if refusal := every_rank(None, _rank_knobs(cfg), command_lines_differ)[0]:
@@ -633,7 +646,7 @@ def _run(argv: list[str], locks: list) -> None:
     held = None  # the lock lives as long as the run (main releases it)
     if rank == 0:
         try:
-            locks.append(OutDirLock(cfg.out_dir))
+            cleanups.append(OutDirLock(cfg.out_dir).release)
         except ValueError as err:  # OutDirInUse, or a directory that cannot be written
             held = str(err)
         for name in ("config.json", "metrics.jsonl"):  # refused before anything is written through them
@@ -764,6 +777,7 @@ def _run(argv: list[str], locks: list) -> None:
     if hf_type is not None:  # each rank reads the tensors of its own parameters (blocks of them when sharded)
         for part in parts:
             fmoe.hf.load_weights(part, cfg.init_from_hf, model_type=hf_type)
+    compiled_before = _compile_counts()
     forward = torch.compile(model) if cfg.compile and pipe is None else model
     if cfg.compile and pipe is not None:  # each stage's model, in place: the schedule calls it
         for chunk in pipe.chunks:
@@ -922,6 +936,8 @@ def _run(argv: list[str], locks: list) -> None:
                                        tensorboard=cfg.tensorboard) if step < last else None
     except ImportError as err:
         sys.exit(f"--tensorboard: {err}")
+    if logger is not None:
+        cleanups.append(logger.close)  # a second close does nothing; an interrupted run's TensorBoard writer ended too
     if rank == 0:  # the resume is taken: the interrupted saves go (the run's next collective, every_rank below, comes after)
         for name in partial:
             shutil.rmtree(Path(cfg.out_dir) / name, ignore_errors=True)
@@ -1342,9 +1358,9 @@ def _run(argv: list[str], locks: list) -> None:
     elif rank == 0:  # no validation, or a stop (a signal, the time limit) at a step without one: no time spent on one there
         print(f"{ended}: step {step}, loss {record['loss']:.4f} "
               f"({'no validation: --eval_batches=0' if not val_batches else f'no validation at this step: every --eval_every={cfg.eval_every}'})")
-    if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
-        counters = torch._dynamo.utils.counters
-        print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")
+    if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed (this run's: the counters are the process's)
+        graphs, breaks = (a - b for a, b in zip(_compile_counts(), compiled_before))
+        print(f"torch.compile: {graphs} graphs, {breaks} graph breaks")
     if dist.is_initialized() and not caller_group:
         dist.destroy_process_group()
 

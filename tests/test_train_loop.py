@@ -257,6 +257,25 @@ def test_a_blend_source_validation_leaves_out_is_named(tmp_path, capsys):
     assert list(_records(tmp_path / "run4")[-1]["val_loss_by_source"]) == ["first", "second"]
 
 
+def test_runs_called_in_one_long_lived_process_leave_its_state_as_they_found_it(tmp_path, monkeypatch):
+    """main called in a notebook's process: --stop_after_minutes counted from the module's import (a run called an hour
+    later stopped after its first step), --deterministic stayed on for the rest of the process, and the process group a
+    one-process bf16 run starts stayed up after a refusal (a later run took it as the caller's, and the user's own
+    init_process_group raised "initialize the default process group twice")."""
+    import torch.distributed as dist
+
+    tm = _train_moe()
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 3600.0)  # the run is called an hour after the import
+    argv = [f"--out_dir={tmp_path / 'run'}", *TINY, "--steps=3", "--warmup=0", "--stop_after_minutes=30", "--deterministic", "--dtype=bfloat16"]
+    tm.main(argv)
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2, 3]
+    assert not torch.are_deterministic_algorithms_enabled() and not dist.is_initialized()
+    with pytest.raises(SystemExit, match="holds an earlier run's checkpoints"):  # refused after its group started
+        tm.main(argv)
+    assert not dist.is_initialized() and not torch.are_deterministic_algorithms_enabled()
+
+
 def test_a_logged_value_the_record_lacks_is_named_with_where_its_key_goes():
     """A value of one's own logged by micro_batch_loss stopped the step with a bare
     KeyError('router_entropy'); the message now says where the key is added."""
