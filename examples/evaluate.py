@@ -516,7 +516,10 @@ _LOG_MAX_FLOAT = math.log(sys.float_info.max)
 def _run_dtype(path: Path, device: torch.device) -> str:
     """--dtype's default: an fmoe run's own (its config.json's --dtype, path the run or one of
     its checkpoints; auto: bfloat16 on cuda, float32 elsewhere), so that the defaults
-    reproduce its logged validation loss; float32 for an HF folder or a run without it."""
+    reproduce its logged validation loss; float32 for an HF folder (one exported inside the
+    run too) or a run without it."""
+    if is_hf_folder(path):
+        return "float32"
     for folder in (path, path.parent):
         knobs = saved_config(folder).get("config")
         if isinstance(knobs, dict) and isinstance(knobs.get("dtype"), str):
@@ -530,7 +533,7 @@ def with_rates(r: dict, unit: str) -> dict:
     loss / ln 2 (None for a loss of None)."""
     none = r["loss"] is None
     # a diverged run's loss past 709.78: exp overflows a float (math.exp raised OverflowError)
-    perplexity = None if none else math.exp(r["loss"]) if r["loss"] <= _LOG_MAX_FLOAT else math.inf
+    perplexity = None if none else math.inf if r["loss"] > _LOG_MAX_FLOAT else math.exp(r["loss"])  # NaN stays NaN
     return {**r, "perplexity": perplexity, f"bits_per_{unit}": None if none else r["loss"] / math.log(2)}
 
 

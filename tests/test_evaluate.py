@@ -286,7 +286,8 @@ def test_a_diverged_run_s_numbers_print_as_strict_json(capsys):
     result = dict(loss=800.0, tokens=7, by_source=dict(a=dict(loss=800.0, tokens=3), b=dict(loss=float("nan"), tokens=4)), mtp_losses=[float("inf")])
     evaluate.report(result, unit="token", as_json=True)
     got = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
-    assert got["perplexity"] == "inf" and got["loss"] == 800.0 and got["by_source"]["b"]["loss"] == "nan" and got["mtp_losses"] == ["inf"]
+    assert got["perplexity"] == "inf" and got["loss"] == 800.0 and got["mtp_losses"] == ["inf"]
+    assert got["by_source"]["b"]["loss"] == got["by_source"]["b"]["perplexity"] == "nan"  # a NaN loss's perplexity NaN, not inf
     evaluate.report(result, unit="token", as_json=False)
     assert capsys.readouterr().out.splitlines()[0] == "a: 3 tokens, loss 800.0000, perplexity inf, bits per token 1154.1560"
 
@@ -299,9 +300,29 @@ def test_dtype_defaults_to_the_run_s_own(tmp_path):
         (tmp_path / "run" / "config.json").write_text(json.dumps({"config": {"dtype": dtype}}))
         for path in (tmp_path / "run", tmp_path / "run" / "step_000003"):
             assert evaluate._run_dtype(path, torch.device(device)) == want, (dtype, device, path)
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16"}))
-    assert evaluate._run_dtype(tmp_path / "hf", torch.device("cuda")) == "float32"
+    for hf in (tmp_path / "hf", tmp_path / "run" / "hf"):  # an HF folder: one exported inside the run too
+        hf.mkdir()
+        (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "torch_dtype": "bfloat16"}))
+        assert evaluate._run_dtype(hf, torch.device("cuda")) == "float32", hf
+
+
+def test_main_loads_the_model_in_the_run_s_dtype(tmp_path, monkeypatch):
+    """evaluate.main takes --dtype's default from _run_dtype (a bf16 run was loaded in float32)."""
+    (tmp_path / "config.json").write_text(json.dumps({"config": {"dtype": "bfloat16"}}))
+    asked = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(path, *, impl, dtype, device):
+        asked.append(dtype)
+        raise Loaded
+
+    monkeypatch.setattr(evaluate, "load_model", load_model)
+    for argv, want in (([], torch.bfloat16), (["--dtype=float32"], torch.float32)):
+        with pytest.raises(Loaded):
+            evaluate.main([str(tmp_path), *argv])
+        assert asked.pop() == want
 
 
 BAD_KNOBS = [

@@ -585,3 +585,13 @@ def test_tokenizer_replaces_a_token_file_run_s_only(run_dir, tmp_path):
     assert generate.named_tokenizer(generate.with_tokenizer(token_run, tmp_path / "bad.json")) == (
         None, f"--tokenizer: {str(tmp_path / 'bad.json')!r} is not a tokenizer.json")
     assert generate._said(ValueError("--tokenizer: x")) == "--tokenizer: x"
+
+
+def test_command_knobs_leave_out_the_paths_and_compare_the_device_by_its_type():
+    """What the ranks of evaluate.py, generate.py and export_hf.py compare at the start (start_ranks): each rank's copy of
+    a file is compared by what it holds, not by its path, and each rank takes its LOCAL_RANK's GPU whatever the index."""
+    import argparse
+
+    args = argparse.Namespace(path=pathlib.Path("/node1/run"), tokenizer=None, device="cuda:1", tokens=12, dtype="bfloat16")
+    assert generate.command_knobs(args, ("path", "tokenizer")) == {"device": "cuda", "tokens": 12, "dtype": "bfloat16"}
+    assert generate.command_knobs(argparse.Namespace(path="p", device="cpu"), ("path",)) == {"device": "cpu"}

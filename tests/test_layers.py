@@ -534,6 +534,14 @@ def test_a_parametrized_router_stays_float32_when_the_module_is_cast():
     y, stats = layer(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and stats["tokens_per_expert"].sum() == 10
 
+    biased = MoE(H, FFN, MoEConfig(n_experts=4, k=2, score="sigmoid"), expert_bias=True)
+    with torch.no_grad():
+        biased.expert_bias.fill_(1.0 + 1e-3)  # a step bfloat16 cannot hold next to 1.0
+    torch.nn.utils.parametrize.register_parametrization(biased, "expert_bias", Scale())  # a buffer's original
+    biased.to(torch.bfloat16)
+    original = biased.parametrizations.expert_bias.original
+    assert original.dtype == torch.float32 and torch.equal(original, torch.full((4,), 1.0 + 1e-3))
+
     normed = torch.nn.utils.parametrizations.weight_norm(MoE(H, FFN, MoEConfig(n_experts=4, k=2)), "router").to(torch.bfloat16)
     assert {n: t.dtype for n, t in normed.parametrizations.router.named_parameters()} == {"original0": torch.float32, "original1": torch.float32}
     assert normed(x.to(torch.bfloat16))[0].dtype == torch.bfloat16

@@ -324,7 +324,8 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch
     K, N = w.shape
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if (transform := transform_of(x, w)) is not None and transform.startswith("forward-mode"):
+    # each input apart: under an outer torch.func transform the first wrapped input answers for both
+    if (transform := next((t for v in (x, w) if (t := transform_of(v)) and t.startswith("forward-mode")), None)) is not None:
         raise ValueError(f"x, w: {transform} has no tangent here: fp8_matmul's gradient is the quantized GEMMs' "
                          "backward alone (a straight-through estimate); take forward-mode AD without fp8 (x @ w)")
     fast = impl != "torch" and _fast_path(x, K, N)

@@ -614,9 +614,10 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
         if isinstance(slots, bool) or not isinstance(slots, Real) or not (math.isfinite(slots) and slots >= 0 and slots == int(slots)):
             raise ValueError(f"slots: expected a whole number >= 0 or a 0-D real tensor, got {slots!r}")
         slots = int(slots)
-        if host and (routed := counts_LE.sum(dim=-1)).gt(slots).any():  # T for T k: dropped_fraction -1, without a word
-            layer = int(routed.gt(slots).nonzero()[0, 0])
-            raise ValueError(f"counts: layer {layer}'s counts sum to {routed[layer].item()!r} slots, more than slots={slots} "
+        over = slots * (1 + 1e-6)  # fractional counts' float rounding: ten 0.1s sum to 1.0000001
+        if host and (routed := counts_LE.double().sum(dim=-1)).gt(over).any():  # T for T k: dropped_fraction -1, without a word
+            layer = int(routed.gt(over).nonzero()[0, 0])
+            raise ValueError(f"counts: layer {layer}'s counts sum to {routed[layer].item():g} slots, more than slots={slots} "
                              "(the slots requested: tokens times k)")
     check_positive_int("zero_experts", zero_experts, 0, counts_LE.shape[1] - 1)  # fewer than counts' columns
     E = counts_LE.shape[1] - zero_experts

@@ -1455,6 +1455,7 @@ def test_layer_loads_checks_a_lists_counts():
     with pytest.raises(ValueError, match=r"^counts: layer 1's counts sum to 8 slots, more than slots=4 \(the slots requested: tokens times k\)$"):
         M.layer_loads([[1, 3], [5, 3]], 4)
     assert M.to_host(M.layer_loads([[1, 2]], 4))["dropped_fraction"] == [0.25]
+    assert M.to_host(M.layer_loads([[0.1] * 10], 1))["dropped_fraction"][0] == pytest.approx(0.0, abs=1e-6)  # fractions summing to it
 
 
 def test_format_progress_checks_step_and_width_and_shows_numpy_loads():
