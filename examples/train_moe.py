@@ -582,8 +582,8 @@ def _run(argv: list[str], cleanups: list) -> None:
     if world < 1:
         sys.exit(f"WORLD_SIZE: expected an int of at least 1 in the environment (as torchrun sets it), got {os.environ.get('WORLD_SIZE')!r}")
     if missing:
-        sys.exit(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} in the environment" + (f" without {', '.join(missing)}" if missing else "")
-                 + ": launch several processes with torchrun (python -m torch.distributed.run --nproc-per-node=N ...), "
+        sys.exit(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} in the environment without {', '.join(missing)}"
+                 ": launch several processes with torchrun (python -m torch.distributed.run --nproc-per-node=N ...), "
                  "or unset WORLD_SIZE for one")
     has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
