@@ -72,8 +72,8 @@ from fmoe.optim import (AdamW, Muon, batch_size_at, build_optimizers, clip_facto
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, batch_layout, load_blend, read_index
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import (NON_FINITE, OutDirLock, StopRequests, command_line_facts, command_lines_differ, every_rank, nearest, per_rank,
-                            refuse_link, run_script, saved_config, set_deterministic, unshared_dir, write_config)
+from fmoe.train.run import (NON_FINITE, OutDirLock, StopRequests, every_rank, nearest, per_rank, refuse_link, run_script, same_command_lines,
+                            saved_config, set_deterministic, unshared_dir, write_config)
 from fmoe.train.upcycle import granularity, upcycle_
 
 
@@ -245,12 +245,12 @@ def knob_help() -> str:
 PATH_KNOBS = ("data", "out_dir", "init_from", "init_from_hf", "upcycle_from")
 
 
-def _rank_knobs(cfg: Config) -> str:
-    """The command line's knobs as sorted JSON (--model.* as given, not the model they built;
-    PATH_KNOBS left out): what every rank of a run must share."""
+def _rank_knobs(cfg: Config) -> dict:
+    """The command line's knobs (--model.* as given, not the model they built; PATH_KNOBS left
+    out): what every rank of a run must share (fmoe.train.run.same_command_lines)."""
     knobs = {name: value for name, value in dataclasses.asdict(cfg).items() if name not in ("model", *PATH_KNOBS)}
     knobs.update({f"model.{name}": value for name, value in cfg.model_overrides.items()})
-    return command_line_facts(knobs)
+    return knobs
 
 
 def _differing_models(every: list) -> str:
@@ -636,7 +636,7 @@ def _run(argv: list[str], cleanups: list) -> None:
                 cleanups.append(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
         # before the first collective that the knobs shape: a rank of another --lr or --seed trained on without a word, one
         # of other --steps or --ep hung in a collective of its own
-        if refusal := every_rank(None, _rank_knobs(cfg), command_lines_differ)[0]:
+        if refusal := same_command_lines(_rank_knobs(cfg)):
             sys.exit(refusal)
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
