@@ -499,9 +499,9 @@ def _compile_counts() -> tuple[int, int]:
 def main(argv: list[str]) -> None:
     """One run of the command line argv. When it ends, however it ends, the out_dir's lock is released (a refusal's
     exception, whose traceback holds this run's frame, kept it held until a garbage collection), and a process group
-    it started for one process, --deterministic's settings, the profiler and the metrics logger are closed or put
-    back as they were (called again in one process, a notebook's, a later run took the group as the caller's, ran
-    deterministic, or ran under the profiler)."""
+    it started for one process, --deterministic's settings, torch's and random's generators, the profiler and the
+    metrics logger are closed or put back as they were (called again in one process, a notebook's, a later run took
+    the group as the caller's, ran deterministic, or ran under the profiler)."""
     cleanups = []
     try:
         _run(argv, cleanups)
@@ -661,6 +661,11 @@ def _run(argv: list[str], cleanups: list) -> None:
         sys.exit(refusal)
     if refusal := unshared_dir(cfg.out_dir):  # a node's own disk: the first checkpoint failed, its step directory not there
         sys.exit(refusal)
+    # the caller's generators are put back when the run ends (a notebook's own draws after a run, or after a refusal
+    # past this point, took up from --seed's state)
+    generators = torch.get_rng_state(), random.getstate(), torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    cleanups.append(lambda: (torch.set_rng_state(generators[0]), random.setstate(generators[1]),
+                             generators[2] is not None and torch.cuda.set_rng_state_all(generators[2])))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     # the vocabulary of token files without an index: the model's where it is given (--model.vocab_size, or a released or

@@ -261,10 +261,16 @@ def test_runs_called_in_one_long_lived_process_leave_its_state_as_they_found_it(
     """main called in a notebook's process: --stop_after_minutes counted from the module's import (a run called an hour
     later stopped after its first step), --deterministic stayed on for the rest of the process, and the process group a
     one-process bf16 run starts stayed up after a refusal (a later run took it as the caller's, and the user's own
-    init_process_group raised "initialize the default process group twice")."""
+    init_process_group raised "initialize the default process group twice"), and the caller's generators were left at
+    --seed's state, by a run or by a refusal after the seeding."""
+    import random
+
     import torch.distributed as dist
 
     tm = _train_moe()
+    torch.manual_seed(123)
+    random.seed(123)
+    generators = torch.get_rng_state(), random.getstate()
     real = time.monotonic
     monkeypatch.setattr(time, "monotonic", lambda: real() + 3600.0)  # the run is called an hour after the import
     argv = [f"--out_dir={tmp_path / 'run'}", *TINY, "--steps=3", "--warmup=0", "--stop_after_minutes=30", "--deterministic", "--dtype=bfloat16"]
@@ -274,6 +280,10 @@ def test_runs_called_in_one_long_lived_process_leave_its_state_as_they_found_it(
     with pytest.raises(SystemExit, match="holds an earlier run's checkpoints"):  # refused after its group started
         tm.main(argv)
     assert not dist.is_initialized() and not torch.are_deterministic_algorithms_enabled()
+    assert torch.equal(torch.get_rng_state(), generators[0]) and random.getstate() == generators[1]
+    with pytest.raises(SystemExit, match="^data: "):  # refused after the seeding
+        tm.main([f"--out_dir={tmp_path / 'run2'}", *argv[1:], f"--data={tmp_path / 'absent.bin'}"])
+    assert torch.equal(torch.get_rng_state(), generators[0]) and random.getstate() == generators[1]
 
 
 def test_a_logged_value_the_record_lacks_is_named_with_where_its_key_goes():
