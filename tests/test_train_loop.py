@@ -564,7 +564,7 @@ def test_knobs_as_users_type_them(tmp_path):
     # the zero experts' share of each MoE layer's slots is logged; their slots are counted, not dropped
     for r in _records(tmp_path / "short"):
         slots = r["batch_size"] * 128 * 2
-        assert [len(row) for row in r["tokens_per_expert"]] == [6] * len(r["zero_fraction"])
+        assert [len(row) for row in r["tokens_per_expert"]] == [6] * len(r["zero_fraction"]) and r["zero_experts"] == 2
         assert r["zero_fraction"] == pytest.approx([sum(row[4:]) / slots for row in r["tokens_per_expert"]])
         assert r["dropped_fraction"] == pytest.approx([1 - sum(row) / slots for row in r["tokens_per_expert"]])
     assert any(f > 0 for r in _records(tmp_path / "short") for f in r["zero_fraction"])

@@ -584,7 +584,8 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
     tokens_per_expert [L, E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
     zero_experts: the last Z of the E columns count zero-computation experts' slots
     (fmoe.layers.MoEConfig.zero_experts): max/mean and CV are then the computing experts'
-    alone, and zero_fraction [L] is the share of the slots the zero experts took.
+    alone, zero_fraction [L] is the share of the slots the zero experts took, and zero_experts
+    (Z, an int) says which columns they are (fmoe.train.plot leaves them out of the shares).
     The maths is fmoe.ops.load_stats'; tensors in, tensors out (no host sync: to_host turns
     them into numbers with the step's other values). Counts given as numbers are checked:
     finite, >= 0, and each layer's sum at most slots (a ValueError)."""
@@ -631,6 +632,7 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: Union[int, torch.T
     if zero_experts:
         record["zero_fraction"] = counts_LE[:, E:].sum(dim=-1).float() / (slots.to(counts_LE.device).clamp(min=1) if isinstance(slots, torch.Tensor)
                                                                           else max(slots, 1))
+        record["zero_experts"] = zero_experts
     return record
 
 

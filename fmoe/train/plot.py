@@ -7,8 +7,10 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
                      those logged and not all zero (a coefficient of 0 logs zeros)
     expert_load.png  heatmaps over steps: max/mean load per MoE layer (rows: layers) and,
                      when tokens_per_expert is logged, each expert's share of its layer's
-                     slots relative to uniform (count * E / sum) per layer; each logged
-                     step's column centred on that step of the x axis
+                     slots relative to uniform (count * E / sum) per layer (the computing
+                     experts' when the records name zero_experts: the zero experts' share
+                     is zero_fraction); each logged step's column centred on that step of
+                     the x axis
     health.png       run health, the panels that were logged: grad_norm with param_norm,
                      zero_grads (parameters whose gradient is exactly zero), energy per
                      token (joules), and, for a blend, each data source's share of the step's
@@ -145,6 +147,8 @@ def _load_matrix(records: list[dict]):
     """(steps [S], max_over_mean [L][S], shares [L][E][S] or None) from the records that carry
     per-layer load, a column per step in step order (a step logged twice: its last record);
     shares only when every such record has tokens_per_expert; None when none carries it.
+    A record's zero_experts (Z: the last Z columns count zero experts' slots) leaves those
+    columns out of the shares: each computing expert's count * (E - Z) / their sum.
     ValueError naming the key and the step of a malformed record, or of one whose layer (or
     expert) count differs from the first's: its rows would not be the same layers'."""
     by_step, first, first_counts = {}, None, None
@@ -167,13 +171,20 @@ def _load_matrix(records: list[dict]):
         if n != first[1]:
             raise ValueError(f"records: {key} at step {step} has {_layers(n)} where step {first[0]}'s has "
                              f"{first[1]}: a changed model (two runs' records?); plot each run apart")
+        zero = r.get("zero_experts", 0)
         if counts is not None:
             experts = [len(layer) for layer in counts]
-            first_counts = first_counts or (step, experts)
-            if experts != first_counts[1]:
-                raise ValueError(f"records: tokens_per_expert at step {step} has {experts} experts per layer where "
-                                 f"step {first_counts[0]}'s has {first_counts[1]}: a changed model (two runs' records?)")
-        share = [[c * len(layer) / max(sum(layer), 1e-9) for c in layer] for layer in counts] if counts is not None else None
+            if isinstance(zero, bool) or not isinstance(zero, int) or not 0 <= zero < min(experts):
+                raise ValueError(f"records: zero_experts at step {step}: expected an int from 0 to {min(experts) - 1} (fewer "
+                                 f"than the {min(experts)} columns of tokens_per_expert), got {zero!r}")
+            first_counts = first_counts or (step, experts, zero)
+            if (experts, zero) != first_counts[1:]:
+                had = f"{first_counts[1]}" + (f" ({first_counts[2]} zero experts)" if first_counts[2] else "")
+                raise ValueError(f"records: tokens_per_expert at step {step} has {experts} experts per layer"
+                                 f"{f' ({zero} zero experts)' if zero else ''} where step {first_counts[0]}'s has {had}: "
+                                 "a changed model (two runs' records?)")
+        computing = [layer[:len(layer) - zero] for layer in counts] if counts is not None else None  # the zero experts' in zero_fraction
+        share = [[c * len(layer) / max(sum(layer), 1e-9) for c in layer] for layer in computing] if counts is not None else None
         loads = loads if loads is not None else [max(s) for s in share]
         by_step[step] = ([math.nan if v is None else v for v in loads], share)  # a non-finite load is logged as null
     if not by_step:
@@ -212,6 +223,7 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
     steps, mom, per_layer = found
     # the MoE layers' names as the loop logs them (moe_layers: "layer_1", ..., "mtp_1"), else their rows
     logged = next((r["moe_layers"] for r in reversed(records) if r.get("moe_layers")), None)
+    zero = next((r["zero_experts"] for r in records if r.get("zero_experts") and r.get("tokens_per_expert")), 0)
     names = list(logged) if logged is not None and len(logged) == len(mom) else [f"layer {i}" for i in range(len(mom))]
     n = 1 + (len(per_layer) if per_layer else 0)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 + 1.8 * n), squeeze=False)
@@ -225,7 +237,8 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
     for layer, share in enumerate(per_layer or []):
         ax = axes[layer + 1, 0]
         im = _heatmap(ax, edges, share, cmap="coolwarm", vmin=0.0, vmax=2.0)
-        ax.set_title(f"{names[layer]}: tokens per expert / uniform")
+        ax.set_title(f"{names[layer]}: tokens per expert / uniform"
+                     + (f" (the computing experts; the {zero} zero experts' share: zero_fraction)" if zero else ""))
         ax.set_ylabel("expert")
         fig.colorbar(im, ax=ax)
     axes[-1, 0].set_xlabel("step")

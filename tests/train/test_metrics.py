@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -164,7 +165,8 @@ def test_layer_loads_with_zero_experts():
     assert rec["load_cv"] == pytest.approx([math.sqrt(5) / 3, 0.0])
     assert rec["zero_fraction"] == pytest.approx([4 / 20, 0.0])
     assert rec["dropped_fraction"] == pytest.approx([(20 - 16) / 20, (20 - 12) / 20])
-    assert "zero_fraction" not in M.layer_loads(torch.tensor([[6, 2]]), slots=8)
+    assert rec["zero_experts"] == 1  # which columns are the zero experts' (the plot leaves them out of the shares)
+    assert not {"zero_fraction", "zero_experts"} & set(M.layer_loads(torch.tensor([[6, 2]]), slots=8))
     # the slots as a 0-D tensor (a token mask's sum times k): the same numbers, nothing read on the host
     with M.HostReads() as reads:
         on_device = M.layer_loads(torch.tensor([[6, 2, 0, 4, 4], [3, 3, 3, 3, 0]]), slots=torch.tensor(20), zero_experts=1)
@@ -565,6 +567,32 @@ def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
         assert [ax.get_title() for ax in axes][1:] == [f"layer {i}: tokens per expert / uniform" for i in (0, 1)], names
         assert [t.get_text() for t in axes[0].get_yticklabels()] == ["layer 0", "layer 1"], names
     pyplot.close("all")
+
+
+def test_expert_load_shares_leave_the_zero_experts_out(tmp_path):
+    """Zero experts' columns were drawn as experts and counted in the uniform share: a layer whose 4 computing experts
+    were balanced, [2, 2, 2, 2] beside a zero expert's 8, showed them at 0.625 each; now at 1.0, the zero experts' share
+    being zero_fraction (said in the title), and max/mean over the computing experts, as layer_loads logs it."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    logged = M.to_host(M.layer_loads(torch.tensor([[2, 2, 2, 2, 8], [4, 0, 2, 2, 0]]), slots=16, zero_experts=1))
+    records = [{"step": 1, "tokens_per_expert": logged["tokens_per_expert"], "zero_experts": logged["zero_experts"]}]
+    steps, mom, per_layer = plot._load_matrix(records)
+    assert per_layer == [[[1.0]] * 4, [[2.0], [0.0], [1.0], [1.0]]]
+    assert [row[0] for row in mom] == pytest.approx(logged["load_max_over_mean"]) == [1.0, 2.0]
+    pyplot, Keeps, figures = _keeping_pyplot()
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    titles = [ax.get_title() for ax in figures[0].axes if ax.get_title()]
+    assert titles[1] == "layer 0: tokens per expert / uniform (the computing experts; the 1 zero experts' share: zero_fraction)"
+    pyplot.close("all")
+    for bad in (5, -1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match=rf"^records: zero_experts at step 1: expected an int from 0 to 4 \(fewer than the 5 "
+                                             rf"columns of tokens_per_expert\), got {re.escape(repr(bad))}"):
+            plot._load_matrix([{**records[0], "zero_experts": bad}])
+    with pytest.raises(ValueError, match=r"^records: tokens_per_expert at step 2 has \[5, 5\] experts per layer \(2 zero experts\) "
+                                         r"where step 1's has \[5, 5\] \(1 zero experts\): a changed model"):
+        plot._load_matrix([records[0], {**records[0], "step": 2, "zero_experts": 2}])
 
 
 def _keeping_pyplot():
