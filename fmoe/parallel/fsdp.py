@@ -69,7 +69,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fmoe.layers import EXPERT_BIASES
-from fmoe.model import Block, GroupedExperts, HyperConnection, MoE, ResidualGate, Transformer
+from fmoe.model import Attention, Block, GroupedExperts, HyperConnection, LinearAttention, MoE, ResidualGate, Transformer
 from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -164,7 +164,27 @@ def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
 ) -> None:
-    """fully_shard the model's units (module docstring) in place; gradients summed over ranks."""
+    """fully_shard the model's units (module docstring) in place; gradients summed over ranks.
+
+    With tp > 1 the routed experts' gradients are summed over edp, which holds the tp ranks:
+    each MoE must run on its rank's T/tp token shard (tensor_parallel_plan applied first) and
+    its experts must not sum over tp themselves (the plan's GroupedExperts entries left out,
+    as parallelize leaves them); either way the sum would be tp times too large, so such a
+    model is refused (ValueError)."""
+    if meshes.tp > 1:
+        for name, module in model.named_modules():
+            if not isinstance(module, MoE):
+                continue
+            if module.sequence_parallel is None:
+                raise ValueError(f"model: MoE {name!r} runs every token on each of the tp = {meshes.tp} ranks (no sequence-parallel plan "
+                                 "on it), and FSDP2 sums its routed experts' gradients over edp, which holds the tp ranks: they would be "
+                                 f"{meshes.tp} times too large; apply fmoe.parallel.tensor_parallel_plan first (each MoE then takes a T/tp "
+                                 "token shard), call fmoe.parallel.parallelize, or build the meshes with tp = 1")
+            if getattr(module.experts, "sequence_parallel", None) is not None:
+                raise ValueError(f"model: {name}.experts sum their gradients over tp themselves (tensor_parallel_plan's entry for them), "
+                                 "and FSDP2 sums them over edp, which holds the tp ranks: they would be "
+                                 f"{meshes.tp} times too large; leave the GroupedExperts out of the plan, as fmoe.parallel.parallelize "
+                                 "does (or call parallelize)")
     dense = dense_data_mesh(meshes)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     uncast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -187,18 +207,18 @@ def apply_fsdp(
     # skipped micro-batch, a metric of logits() read with gradients on): an optimizer step then
     # changed the shards, and the next forward ran on the gathered copies of before it.
     # Resharded at a step of an optimizer of its parameters, where still gathered
-    model.step_hook = register_optimizer_step_pre_hook(_resharding_before_steps(model))
+    register_optimizer_step_pre_hook(_resharding_before_steps(model))  # kept by torch (no attribute of the model's: one of one's own was overwritten)
     # ...but a forward without gradients has no backward to reshard it: left gathered, the
     # next forward read the root's parameters of before an optimizer step in between, and an
     # optimizer built after it took the gathered copies (never trained). Resharded after one.
     model.register_forward_hook(_reshard_without_backward)
     # the model's other entry points that use the root's own parameters (the embedding,
     # final norm and head): FSDP2 gathers them there as it does in forward
-    for method in ("decode", "logits"):
-        if callable(getattr(model, method, None)):
+    for method in ("decode", "logits"):  # methods only (a submodule of that name was wrapped, and torch refused the assignment)
+        if inspect.ismethod(getattr(model, method, None)):
             register_fsdp_forward_method(model, method)
             setattr(model, method, _resharding(model, getattr(model, method)))
-    if hasattr(model, "compute_dtype"):
+    if isinstance(model, Transformer):  # its dtype for the context's tables (an attribute of that name of one's own is left alone)
         model.compute_dtype = param_dtype
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -363,6 +383,14 @@ def parallelize(
         raise ValueError(f"meshes: ep / etp: expert parallelism ({meshes.ep} x {meshes.etp}) needs a model with experts, and this one "
                          "has no MoE block (build the meshes with has_experts=False)")
     if meshes.cp > 1:
+        for name, block in model.named_modules():
+            for slot in ("attn", "attn_beside"):  # the token mixers: a rank holds 2 of the 2 x cp chunks of each sequence
+                mixer = getattr(block, slot, None) if isinstance(block, Block) else None
+                if mixer is not None and not isinstance(mixer, (Attention, LinearAttention)):
+                    raise ValueError(f"model: {type(mixer).__name__} {f'{name}.{slot}' if name else slot!r} is an attention of one's own, "
+                                     f"which context parallelism cannot split: each cp rank holds 2 of the {2 * meshes.cp} chunks of "
+                                     "every sequence, and only fmoe.model's Attention and LinearAttention exchange keys, values or states "
+                                     "between the ranks (it would attend within the rank's chunks, without a word); use them or cp = 1")
         if not hasattr(model, "context_parallel"):
             raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")
         model.context_parallel = ContextParallel(meshes.axis("cp"))

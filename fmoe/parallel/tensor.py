@@ -532,6 +532,24 @@ def _attention_knobs(model: nn.Module, attention: Attention) -> dict[str, str]:
     return {field: knob for field, knob in (("n_heads", "local_heads"), ("n_kv_heads", "local_kv_heads")) if getattr(cfg, knob) is not None}
 
 
+def _planless_modules(block: Block) -> list[tuple[str, nn.Module]]:
+    """(name in the block, module) of each module inside a Block that the plan does not cover
+    and that holds parameters: a module that is not fmoe's (torch's nn.RMSNorm or nn.Linear,
+    an attention of one's own), outside every module the plan gives a style to. fmoe's other
+    modules and parameterless ones of torch (a dropout, a container) are looked into."""
+    covered = (Attention, LinearAttention, DenseMLP, MoE, RMSNorm, HyperConnection, ResidualGate, GroupedExperts)
+    found, stack = [], list(block.named_children())
+    while stack:
+        name, module = stack.pop()
+        if isinstance(module, covered):
+            continue
+        if type(module).__module__.split(".")[0] != "fmoe" and next(module.parameters(), None) is not None:
+            found.append((name, module))
+            continue
+        stack.extend((f"{name}.{child_name}", child) for child_name, child in module.named_children())
+    return sorted(found, key=lambda item: item[0])
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The parallelize_module plan for fmoe's reference model, or any module tree whose
     Attention, DenseMLP and MoE modules sit in fmoe.model Blocks (module docstring):
@@ -552,13 +570,24 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     fmoe.parallel.parallelize leaves them out of the plan, its FSDP2 summing their gradients.
     RMSNorms outside Blocks (a final norm, MTP modules' norms) stay replicated. ValueError
     for an Attention, DenseMLP or MoE outside every Block: sequence parallelism needs to
-    know where the token shards begin and end (apply ShardTokens in your own plan).
+    know where the token shards begin and end (apply ShardTokens in your own plan); and for a
+    module of one's own with parameters inside a Block (torch's nn.RMSNorm in place of
+    fmoe's, an attention of one's own): it would run on the rank's T/tp token shard with no
+    plan, seeing a share of the tokens and getting a share of its gradients. A hook of one's
+    own on a Block sees the token shard too (not checked).
     """
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, Block)}
 
     def in_block(name: str) -> bool:
         return any(b == "" or name.startswith(b + ".") for b in blocks)
 
+    for block_name, block in blocks.items():
+        for name, module in _planless_modules(block):
+            where = f"{block_name}.{name}" if block_name else name
+            raise ValueError(f"model: {type(module).__name__} {where!r} inside a fmoe.model.Block is a module of one's own with parameters, "
+                             "which tensor parallelism has no plan for: each tp rank runs a Block on its T/tp token shard (sequence "
+                             "parallel), so it would see that share of the tokens and its weights would get that rank's share of their "
+                             "gradients, without a word; use fmoe.model's modules there (RMSNorm, Attention, DenseMLP, MoE) or tp = 1")
     plan = {}
     for name, module in model.named_modules():
         if isinstance(module, (Attention, LinearAttention, DenseMLP, MoE)) and not in_block(name):

@@ -1195,12 +1195,47 @@ def _bad_tp(rank, world):
         model(batch, model.context(batch))
     except ValueError as err:
         messages.append(str(err))
+    messages += _own_modules_under_tp_and_cp()
+    return messages
+
+
+def _own_modules_under_tp_and_cp() -> list[str]:
+    """What a model with modules of one's own gets from parallelize and apply_fsdp (the messages, then what the names of
+    one's own hold after an FSDP run): torch's nn.RMSNorm in a Block under tp and an attention of one's own under tp and cp
+    ran on the token shard, the norm's gradient one rank's share and the attention within the shard, without a word; the
+    plan applied by hand with its experts' entries, then apply_fsdp, summed the experts' gradients twice (over tp, then
+    over edp, which holds tp), and apply_fsdp without the plan counted each token tp times; a model's own compute_dtype
+    and step_hook were overwritten and a submodule named logits refused by torch after the model was half sharded."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fmoe.model import Block, Transformer, TransformerConfig
+    from fmoe.parallel import apply_fsdp, build_meshes, parallelize, tensor_parallel_plan
+
+    cfg, messages = TransformerConfig(**TINY), []
+    own_norm, own_attn = Transformer(cfg), Transformer(cfg)
+    own_norm.blocks[1].attn_norm = torch.nn.RMSNorm(cfg.hidden)
+    own_attn.blocks[0].attn = torch.nn.MultiheadAttention(cfg.hidden, 1)
+    meshes = build_meshes(tp=2)
+    by_hand = Transformer(cfg)
+    parallelize_module(by_hand, meshes.tp_mesh, tensor_parallel_plan(by_hand))
+    for call in (lambda: parallelize(own_norm, meshes), lambda: parallelize(own_attn, meshes),
+                 lambda: parallelize(own_attn, build_meshes(cp=2)), lambda: apply_fsdp(by_hand, meshes),
+                 lambda: apply_fsdp(Transformer(cfg), meshes)):
+        try:
+            call()
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
+    own = _Blocks(torch.nn.ModuleList([Block(cfg, moe=False)]))
+    own.logits, own.compute_dtype, own.step_hook = torch.nn.Linear(cfg.hidden, 8), torch.float64, "mine"
+    parallelize(own, build_meshes(has_experts=False))
+    messages.append(f"own names: {own.compute_dtype} {own.step_hook} {type(own.logits).__name__}")
     return messages
 
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 14
+        assert len(messages) == 20
         assert "tp: Attention 'blocks.0.attn': its n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
@@ -1217,6 +1252,17 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "tp: Attention 'blocks.0.attn': its n_heads = 6, n_kv_heads = 3 and o_groups = 3 must all be divisible by tp = 2" in messages[11]
         assert "tp: DenseMLP 'blocks.1.mlp.shared': its w_gate has 33 rows/cols on dim 1, not divisible by tp = 2" in messages[12]
         assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[13] and "tokens_per_micro_batch" in messages[13]
+        # modules of one's own, and the exported pieces combined by hand (_own_modules_under_tp_and_cp)
+        assert messages[14].startswith("model: RMSNorm 'blocks.1.attn_norm' inside a fmoe.model.Block is a module of one's own with "
+                                       "parameters, which tensor parallelism has no plan for: each tp rank runs a Block on its T/tp token shard")
+        assert messages[15].startswith("model: MultiheadAttention 'blocks.0.attn' inside a fmoe.model.Block is a module of one's own")
+        assert messages[16].startswith("model: MultiheadAttention 'blocks.0.attn' is an attention of one's own, which context "
+                                       "parallelism cannot split: each cp rank holds 2 of the 4 chunks of every sequence"), messages[16]
+        assert messages[17].startswith("model: blocks.1.mlp.experts sum their gradients over tp themselves (tensor_parallel_plan's entry "
+                                       "for them), and FSDP2 sums them over edp, which holds the tp ranks: they would be 2 times too large")
+        assert messages[18].startswith("model: MoE 'blocks.1.mlp' runs every token on each of the tp = 2 ranks (no sequence-parallel plan "
+                                       "on it)"), messages[18]
+        assert messages[19] == "own names: torch.float64 mine Linear"
 
 
 def _failed_export(rank, world):
