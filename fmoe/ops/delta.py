@@ -369,9 +369,10 @@ def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
 
 def _pair_sums(x, k, gamma):
     """[..., C, C]: entry (i, j) = sum_d x_i,d k_j,d exp(gamma_i,d - gamma_j,d) for j <= i, 0
-    above the diagonal; x, k, gamma [..., C, Dk] float32, gamma non-increasing along C (a
-    chunk's cumulative log-decays, per key channel). Exact and without overflow however fast
-    the decay: the chunk, padded to a power of two P, is cut into blocks of s = P, P/2, ..., 2
+    above the diagonal; x, k, gamma [..., C, Dk] float32, gamma non-increasing along C inside
+    each document (a chunk's cumulative log-decays, per key channel, restarting at each
+    document: the entries of pairs across documents are finite and meaningless, for the
+    caller to mask). Exact and without overflow however fast the decay: the chunk, padded to a power of two P, is cut into blocks of s = P, P/2, ..., 2
     tokens; in each block the pairs (i in its right half, j in its left half) are one product
     (x_i exp(gamma_i - gamma_r)) . (k_j exp(gamma_r - gamma_j)), r the right half's first token,
     every exponent <= 0; the diagonal is x_i . k_i. Every pair j < i is in exactly one block's
@@ -387,7 +388,9 @@ def _pair_sums(x, k, gamma):
         n, h = P // s, s // 2
         xs, ks, gs = (t.unflatten(-2, (n, 2, h)) for t in (x, k, gamma))  # [..., n blocks, halves, h, Dk]
         ref = gs[..., 1, :1, :]  # gamma at each right half's first token
-        tile = (xs[..., 1, :, :] * (gs[..., 1, :, :] - ref).exp()) @ (ks[..., 0, :, :] * (ref - gs[..., 0, :, :]).exp()).transpose(-1, -2)
+        # exponents <= 0 inside a document (j < r <= i); across documents clamped (those entries are masked)
+        tile = ((xs[..., 1, :, :] * (gs[..., 1, :, :] - ref).clamp_max(0).exp())
+                @ (ks[..., 0, :, :] * (ref - gs[..., 0, :, :]).clamp_max(0).exp()).transpose(-1, -2))
         tile = F.pad(tile, (0, h, h, 0))  # [..., n, s, s]: the tile at (right half, left half) of its block
         eye = torch.eye(n, device=x.device)[:, None, :, None]  # block b's tile on the diagonal block (b, b)
         out = out + (tile.unsqueeze(-2) * eye).flatten(-4, -3).flatten(-2, -1)
@@ -487,21 +490,27 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
     pairs_B1MCC = ((doc_BMC[..., :, None] == doc_BMC[..., None, :]) & causal_CC)[:, None]  # j <= i, one document
     strict_CC = ~torch.eye(C, dtype=torch.bool, device=q.device)
     last_B1M = (doc_BMC == doc_BMC[..., -1:]).float()[:, None]  # tokens of each chunk's last document
+    # gamma: each token's log-decays summed over its own document's tokens in the chunk, up to it (the chunk's first
+    # document from the chunk's start): a sum over the pairs. A sum running over the whole chunk gave the pairs' decays,
+    # S0's reach and the decay to the chunk's end alike, but a neighbour's strong decay (log-decays of -50 .. -110 a
+    # token) shifted a document's gammas by its sum, where float32 lost the document's own small decays (2e-4 relative)
+    own_B1MCC = pairs_B1MCC.float()
     if g.ndim == 4:  # per key channel: gamma [B, N, M, C, Dk], the pairs' decays inside the dot products
-        gamma = g_BNMC.cumsum(-2)
+        gamma = own_B1MCC @ g_BNMC
         kk_BNMCC = None if beta is None else _pair_sums(k_BNMCK, k_BNMCK, gamma)
         scores_BNMCC = _pair_sums(q_BNMCK, k_BNMCK, gamma) * pairs_B1MCC
         reach = carry_B1MC[..., None] * gamma.exp()  # [B, N, M, C, Dk]: S0's decay at each token
-        to_end = (gamma[..., -1:, :] - gamma).exp() * last_B1M[..., None]  # each token's decay to the chunk's end
+        # each token's decay to the chunk's end (the last document's tokens; another's exponent may be > 0: kept finite)
+        to_end = (gamma[..., -1:, :] - gamma).clamp_max(0).exp() * last_B1M[..., None]
         keep_BNMK = carry_B1MC[..., -1, None] * gamma[..., -1, :].exp()  # S0's rows' share of the end state
     else:
-        gamma = g_BNMC.cumsum(-1)
+        gamma = (own_B1MCC @ g_BNMC[..., None]).squeeze(-1)
         # exp(gamma_i - gamma_j) on the pairs, 0 elsewhere (the exponent is masked first: j > i would overflow)
         decay_BNMCC = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~pairs_B1MCC, float("-inf")).exp()
         kk_BNMCC = None if beta is None else (k_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
         scores_BNMCC = (q_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
         reach = (carry_B1MC * gamma.exp())[..., None]
-        to_end = ((gamma[..., -1:] - gamma).exp() * last_B1M)[..., None]
+        to_end = ((gamma[..., -1:] - gamma).clamp_max(0).exp() * last_B1M)[..., None]
         keep_BNMK = (carry_B1MC[..., -1] * gamma[..., -1].exp())[..., None]  # S0's share of the chunk's end state, every row alike
     if beta is None:  # no rule: U = V, nothing recalled from S0
         W_v, W_k = v_BNMCV, None

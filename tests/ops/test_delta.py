@@ -81,6 +81,30 @@ def test_packed_documents_are_independent(channels):
     torch.testing.assert_close(o, loop_o, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
+@pytest.mark.parametrize("rule", [True, False], ids=["delta", "linear"])
+def test_a_neighbour_s_strong_decay_leaves_a_document_as_it_is_alone(channels, rule):
+    """Document B packed after A in one chunk, A's log-decays -50, -110 a token (or -inf, the floor's): the chunk's
+    cumulative sum ran over A into B, and B's own small decays (-0.001) were lost in float32 against A's sum: B 6e-5 to
+    2.9e-4 (relative) off B alone. The sums restart at each document: B is B alone, within the chunks' rounding, and so
+    are its gradients."""
+    fn, ref_fn = (gated_delta_rule, gated_delta_rule_loop) if rule else (gated_linear_attention, gated_linear_attention_loop)
+    q, k, v, _, beta = _inputs(1, 64, 2, 8, 8, seed=14, requires_grad=True)
+    cu, alone = torch.tensor([0, 40, 64], dtype=torch.int32), slice(40, 64)
+    for strong in (-50.0, -110.0, float("-inf")):
+        g = torch.full((1, 64, 2, 8) if channels else (1, 64, 2), -0.001)
+        g[:, :40] = strong
+        extra = (beta,) if rule else ()
+        o = fn(q, k, v, g, *extra, cu, impl="torch")[:, alone]
+        b_in = [x[:, alone] for x in (q, k, v, g, *extra)]
+        want = ref_fn(*b_in)
+        assert float((o - want).detach().abs().max() / want.detach().abs().max()) < 2e-6, strong
+        grad_o = torch.randn_like(o)
+        got, ref = (torch.autograd.grad((out * grad_o).sum(), (q, k, v)) for out in (o, fn(*b_in, impl="torch")))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a[:, alone], b[:, alone], rtol=1e-5, atol=1e-6)  # both through slices of q, k, v
+
+
 def test_packed_gradients_equal_the_loop():
     cu = torch.tensor([0, 10, 30, 45])
     xs = _inputs(1, 45, 2, 8, 4, seed=2, requires_grad=True)
