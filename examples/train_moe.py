@@ -8,7 +8,7 @@
     python examples/train_moe.py --data=my_texts/                 # a directory of text files
     python examples/train_moe.py --data=tokens.bin --data_dtype=uint16 --separator=50256 --model.vocab_size=50304
     python examples/train_moe.py --deterministic --compile        # bit-reproducible; torch.compile
-    python examples/train_moe.py --upcycle_from=out/dense --model.n_dense=1 --model.ffn_expert=256   # a dense run made an MoE
+    python examples/train_moe.py --upcycle_from=out/dense --model.n_dense=1 --model.ffn_expert=192   # a dense run made an MoE
 
 Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knobs below:
     torchrun --nproc-per-node 2 examples/train_moe.py                   # FSDP2 over 2 ranks
@@ -341,6 +341,19 @@ def _training_changes(was, cfg: Config) -> list[str]:
                       if k not in ("impl", "ac", "init_std") and k in model_was and differs(model_was[k], now["model"][k])]
 
 
+def _upcycle_changes(was, cfg: Config) -> list[str]:
+    """--upcycle_from (by the path it names from here) and --upcycle_drop where they differ from the run's config.json
+    ("config"), as "--upcycle_drop=0.7 (was 0.0)"; [] where it holds none to compare with."""
+    if not isinstance(was, dict) or not isinstance(was.get("upcycle_from"), str):
+        return []
+    changed = []
+    if Path(was["upcycle_from"]).resolve() != Path(cfg.upcycle_from).resolve():
+        changed.append(f"--upcycle_from={cfg.upcycle_from} (was {was['upcycle_from'] or 'none'})")
+    if was.get("upcycle_drop", 0.0) != cfg.upcycle_drop:
+        changed.append(f"--upcycle_drop={cfg.upcycle_drop:g} (was {was.get('upcycle_drop', 0.0)})")
+    return changed
+
+
 def _pp_knobs(err: ValueError) -> str:
     """A pipeline error in the knobs' words: the stage sizes Pipeline calls layers_per_stage are --pp_layers."""
     said = str(err).removeprefix("chunk: ").replace("layers_per_stage", "--pp_layers")
@@ -432,7 +445,10 @@ def parse_args(argv: list[str]) -> Config:
             sys.exit("--upcycle_from: starts from a dense run's weights; --init_from and --init_from_hf start from others: give one")
         try:
             if fmoe.hf.is_hf_folder(cfg.upcycle_from):  # a released dense model (fmoe.hf.DENSE_FAMILIES); MTP modules start fresh
-                base = dataclasses.replace(fmoe.hf.read_config(cfg.upcycle_from)[1], impl=base.impl, mtp_depth=base.mtp_depth, ac=base.ac)
+                # the MTP depth given (the loop's default before it: a fresh module), at once: the config's own check
+                # refused ALiBi or learned positions with the default's MTP before --model.mtp_depth=0 was applied
+                base = dataclasses.replace(fmoe.hf.read_config(cfg.upcycle_from)[1], impl=base.impl, ac=base.ac,
+                                           mtp_depth=model_overrides.get("mtp_depth", base.mtp_depth))
             else:
                 base, _ = checkpoint.run_config(cfg.upcycle_from, impl=base.impl)
         except (OSError, ValueError) as err:
@@ -455,6 +471,9 @@ def parse_args(argv: list[str]) -> Config:
     if cfg.upcycle_from and not any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers)):
         sys.exit(f"--upcycle_from: the model made from it has no MoE layer: set --model.n_dense below its {cfg.model.n_layers} layers "
                  "(or --model.moe_layers), with --model.n_experts, --model.k and --model.ffn_expert")
+    if cfg.upcycle_drop and round(cfg.upcycle_drop * cfg.model.ffn_expert) == 0:  # an exact start, said to be a Drop-Upcycling one
+        sys.exit(f"--upcycle_drop={cfg.upcycle_drop:g}: draws round({cfg.upcycle_drop:g} x ffn_expert {cfg.model.ffn_expert}) = 0 of each "
+                 f"expert's channels afresh, so it would have no effect; {1 / cfg.model.ffn_expert:.3g} or more draws one (0: the exact start)")
     return cfg
 
 
@@ -884,6 +903,9 @@ def _run(argv: list[str], cleanups: list) -> None:
             if step < last and (changed := _training_changes(saved, cfg)):
                 print(f"note: this resumed run trains with {', '.join(changed)}: a resumed run trains with the knobs given to it, not "
                       "the run's; give the run's to keep them", flush=True)
+            if cfg.upcycle_from and (moved := _upcycle_changes(saved, cfg)):
+                print(f"note: {', '.join(moved)}: a resumed run continues its own weights, so --upcycle_from gives only the model's "
+                      "knobs and --upcycle_drop nothing (config.json's earlier_runs keep what the run was upcycled from)", flush=True)
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:
             path = checkpoint.load_model(cfg.init_from, model=parts)
@@ -923,9 +945,10 @@ def _run(argv: list[str], cleanups: list) -> None:
         if refusal := every_rank(refusal, (found, None), lambda every: f"--upcycle_from: {checkpoint.differing_checkpoints(every)}")[0]:
             sys.exit(refusal)
         if rank == 0:
-            print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
-                  f"1/{granularity(model_cfg, dense_cfg)} of its FFN" + (f", {cfg.upcycle_drop:.0%} of each one's channels drawn afresh"
-                                                                          if cfg.upcycle_drop else ""))
+            drawn = round(cfg.upcycle_drop * model_cfg.ffn_expert)
+            print(f"upcycled from the dense model of {found or cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
+                  f"1/{granularity(model_cfg, dense_cfg)} of its FFN" + (f", {cfg.upcycle_drop:.0%} of each one's channels ({drawn} of "
+                                                                          f"{model_cfg.ffn_expert}) drawn afresh" if cfg.upcycle_drop else ""))
             if model_cfg.capacity_factor is not None:  # the fresh router rows send most tokens to one group at first
                 print(f"note: --model.capacity_factor={model_cfg.capacity_factor:g} drops the slots past each expert's capacity, so the "
                       "upcycled model does not start as the dense model's function: its fresh routers send most tokens to a few experts "

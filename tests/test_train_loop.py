@@ -777,7 +777,8 @@ def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
                           "--steps=2", "--warmup=0", f"--upcycle_from={tmp_path / 'dense'}", *moe_knobs], capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"upcycled from the dense model of {tmp_path / 'dense'}: 4 experts, each a slice of 1/2 of its FFN" in run.stdout
+    # the checkpoint read, not the run directory given (a dense run that goes on would leave its step unknown)
+    assert f"upcycled from the dense model of {tmp_path / 'dense' / 'step_000003'}: 4 experts, each a slice of 1/2 of its FFN" in run.stdout
     # without the MoE knobs the dense run's model stays dense: refused, saying which knob makes it an MoE
     forgot = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'forgot'}", *loop_knobs,
                              "--steps=1", f"--upcycle_from={tmp_path / 'dense'}"], capture_output=True, text=True, timeout=900)
@@ -803,6 +804,32 @@ def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
     model = json.loads((tmp_path / "moe" / "config.json").read_text())["config"]["model"]
     assert (model["hidden"], model["n_layers"], model["n_dense"], model["n_experts"], model["ffn_dense"]) == (32, 2, 1, 4, 64)
     assert model["n_heads"] == 2 and model["mtp_depth"] == 1  # the dense run's (TINY's), not the defaults
+
+
+def test_upcycle_knobs_from_a_folder_and_their_refusals(tmp_path):
+    """--upcycle_from of a Hugging Face folder whose family takes no MTP module (MPT's ALiBi): the loop's default MTP depth
+    was put into the folder's config before the --model.* knobs, so "not with mtp_depth = 1" stopped the run even with
+    --model.mtp_depth=0; now the depth given applies there. A --upcycle_drop that draws round(drop Fe) = 0 channels is
+    refused (the start was exact, said to be Drop-Upcycling's); a resume is told where --upcycle_from and --upcycle_drop
+    differ from the run's (they change nothing there)."""
+    transformers = pytest.importorskip("transformers", reason="transformers (the test extra) not installed")
+    transformers.MptConfig(vocab_size=320, d_model=32, n_heads=2, n_layers=2, expansion_ratio=4, max_seq_len=256,
+                           no_bias=True).save_pretrained(tmp_path / "mpt")
+    tm = _train_moe()
+    moe = [f"--upcycle_from={tmp_path / 'mpt'}", "--model.n_dense=1", "--model.ffn_expert=64", "--model.n_experts=8", "--model.k=4"]
+    cfg = tm.parse_args([*moe, "--model.mtp_depth=0"])
+    assert (cfg.model.mtp_depth, cfg.model.n_experts, cfg.model.hidden, cfg.model.alibi) == (0, 8, 32, True)
+    with pytest.raises(SystemExit, match=r"^--upcycle_from: alibi: .*not with mtp_depth = 1"):  # the default's MTP: named
+        tm.parse_args(moe)
+    assert tm.parse_args([*moe, "--model.mtp_depth=0", "--upcycle_drop=0.016"]).upcycle_drop == 0.016  # round(1.02) = 1 channel
+    with pytest.raises(SystemExit, match=r"^--upcycle_drop=0.005: draws round\(0.005 x ffn_expert 64\) = 0 of each expert's channels "
+                                         r"afresh, so it would have no effect; 0.0156 or more draws one \(0: the exact start\)$"):
+        tm.parse_args([*moe, "--model.mtp_depth=0", "--upcycle_drop=0.005"])
+    was = {"upcycle_from": str(tmp_path / "mpt"), "upcycle_drop": 0.25}
+    same = tm.Config(upcycle_from=str(tmp_path / "x" / ".." / "mpt"), upcycle_drop=0.25)  # the same folder, spelled otherwise
+    assert tm._upcycle_changes(was, same) == [] and tm._upcycle_changes("no config", same) == []
+    other = tm.Config(upcycle_from=str(tmp_path / "other"), upcycle_drop=0.0)
+    assert tm._upcycle_changes(was, other) == [f"--upcycle_from={tmp_path / 'other'} (was {tmp_path / 'mpt'})", "--upcycle_drop=0 (was 0.25)"]
 
 
 def test_muon_runs(tmp_path):

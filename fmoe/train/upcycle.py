@@ -257,7 +257,15 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
     if not parts or not all(isinstance(part, Transformer) for part in parts):
         raise ValueError(f"model: expected a fmoe.model.Transformer or a sequence of its pipeline chunks, got "
                          f"{[type(m).__name__ for m in parts] if listed and parts else type(model).__name__}")
+    empty = next((name for part in parts for name, p in part.named_parameters() if not holds_values(p)), None)
+    if empty is not None:  # copies into it wrote nothing, without a word
+        raise ValueError(f"model: {empty!r} is a meta tensor holding no values (a model built on the meta device): allocate and "
+                         "initialise it first (fmoe.parallel.materialize, or to_empty and reset_parameters)")
     plans = [_plan(part, dense_state, dense_cfg) for part in parts]  # every check first: a refusal leaves the model as it was
+    fe = parts[0].cfg.ffn_expert
+    if drop > 0 and round(drop * fe) == 0:  # the exact start, where a Drop-Upcycling one was asked for
+        raise ValueError(f"drop: {drop:g} of each expert's {fe} channels rounds to none (round(drop Fe) = 0), so no channel would "
+                         f"start fresh; {1 / fe:.3g} or more draws one (0: the exact start)")
     for part, (g, plan) in zip(parts, plans):
         cfg = part.cfg
         E, H, Fe = cfg.n_experts, cfg.hidden, cfg.ffn_expert

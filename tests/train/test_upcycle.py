@@ -181,6 +181,12 @@ def test_drop_upcycling_draws_a_fraction_of_each_expert_afresh():
     assert torch.equal(again.w_gate, experts.w_gate) and torch.equal(again.w_down, experts.w_down)
     assert not torch.equal(upcycled(0.5, seed=6).w_gate, experts.w_gate)
     assert (upcycled(1.0).w_gate != src.w_gate).all()
+    # a drop that rounds to no channel (round(drop Fe) = 0) started exactly, said to be a Drop-Upcycling start: refused
+    assert torch.equal(upcycled(1 / F).w_gate.ne(src.w_gate).any(1).sum(1), torch.ones(cfg.n_experts, dtype=torch.long))  # one each
+    for small in (0.4 / F, 1e-9):
+        with pytest.raises(ValueError, match=rf"^drop: {small:g} of each expert's {F} channels rounds to none \(round\(drop Fe\) = 0\), so no "
+                                             rf"channel would start fresh; {1 / F:.3g} or more draws one \(0: the exact start\)"):
+            upcycled(small)
     for bad in (-0.1, 1.5, True, "half"):
         with pytest.raises(ValueError, match="drop: expected the fraction of each expert's channels to draw afresh, in \\[0, 1\\]"):
             upcycle_(Transformer(cfg), dense.state_dict(), DENSE, drop=bad)
@@ -298,6 +304,11 @@ def test_upcycle_names_a_bad_model_or_seed():
         with pytest.raises(ValueError, match=rf"^model: expected a fmoe.model.Transformer or a sequence of its pipeline chunks, got {got}"):
             upcycle_(model, dense, DENSE)
     upcycle_((part for part in [Transformer(_moe())]), dense, DENSE)  # a generator of chunks, as before
+    with torch.device("meta"):  # a model never allocated: the copies into it wrote nothing, without a word
+        empty = Transformer(_moe())
+    with pytest.raises(ValueError, match=r"^model: 'embed' is a meta tensor holding no values \(a model built on the meta device\): "
+                                         r"allocate and initialise it first"):
+        upcycle_(empty, dense, DENSE)
 
 
 def test_a_refusal_leaves_the_model_as_it_was():
