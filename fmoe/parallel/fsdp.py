@@ -64,7 +64,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -418,7 +418,11 @@ def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
     """Allocate a model built on the meta device (and parallelized) on `device`, and
     initialise it: model.to_empty(device=device), then model.reset_parameters(seed=seed).
     Each rank allocates only its own shards; the initial values are a function of the seed
-    and the parameter names (Transformer.reset_parameters), the same on every mesh.
+    and the parameter names (Transformer.reset_parameters), the same on every mesh. A
+    floating-point parameter or buffer that reset_parameters leaves unwritten (a buffer of a
+    module of one's own, which fmoe.model.init_parameters does not know) would hold whatever
+    memory to_empty gave it, another on each rank: they are NaN until written, and any left
+    NaN is refused by name (ValueError).
 
         with torch.device("meta"):
             model = Transformer(cfg)
@@ -437,5 +441,22 @@ def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
     if isinstance(seed, bool) or not isinstance(seed, int):  # None would take each rank's own torch seed: replicas apart
         raise ValueError(f"seed: expected an int, the same on every rank, got {seed!r}")
     model.to_empty(device=device)
+    floating = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()]
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # a rank's own values (a DTensor's reduction would be a collective)
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    with torch.no_grad():
+        for _, t in floating:
+            local(t).fill_(float("nan"))
     model.reset_parameters(seed=seed)
+    if floating:
+        with torch.no_grad():  # one read on the host
+            left = torch.stack([local(t).isnan().any() for _, t in floating]).tolist()
+        unwritten = [name for (name, _), nan in zip(floating, left) if nan]
+        if unwritten:
+            raise ValueError(f"model: reset_parameters(seed=) left {', '.join(repr(n) for n in unwritten[:4])}"
+                             f"{f' and {len(unwritten) - 4} more' if len(unwritten) > 4 else ''} unwritten (or NaN in part): they would "
+                             "hold the memory to_empty gave them, another on each rank; initialise every parameter and buffer of one's "
+                             "own there")
     return model

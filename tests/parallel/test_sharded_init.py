@@ -137,6 +137,27 @@ def test_materialize_needs_an_int_seed():
         own = Forwarding(4, 4)
     assert materialize(own, "cpu", seed=3).weight.eq(3.0).all()
 
+    class Forgets(Own):  # a buffer its reset_parameters never writes: it held to_empty's memory (1e31 on one rank, 0 on another)
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.register_buffer("table", torch.zeros(3))
+            self.register_buffer("steps", torch.zeros(3, dtype=torch.long))  # an integer one: not checked
+
+    with torch.device("meta"):
+        own = Forgets(4, 4)
+    with pytest.raises(ValueError, match=r"^model: reset_parameters\(seed=\) left 'table' unwritten \(or NaN in part\): they would hold "
+                                         r"the memory to_empty gave them, another on each rank; initialise every parameter and buffer"):
+        materialize(own, "cpu", seed=0)
+    with torch.device("meta"):
+        fmoe_own = Transformer(TransformerConfig(**TINY))
+    fmoe_own.extra = Forgets(2, 2)
+    fmoe_own.extra.register_buffer("more", torch.zeros(2))
+    for i in range(4):
+        fmoe_own.register_buffer(f"cache_{i}", torch.zeros(2))
+    with pytest.raises(ValueError, match=r"^model: reset_parameters\(seed=\) left 'cache_0', 'cache_1', 'cache_2', 'cache_3' and 2 more "
+                                         r"unwritten"):
+        materialize(fmoe_own, "cpu", seed=0)
+
 
 def _calls_without_gradients(rank, world):
     """Two models of one seed trained alike for 3 steps, one of them also evaluated (a
