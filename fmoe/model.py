@@ -518,6 +518,14 @@ class MoE(KeepsFloat32):
         # under tensor parallelism x is this rank's token shard: the router's and the gate's
         # gradients are summed over tp where they are used; the capacity drop sees every token
         sp = self.sequence_parallel
+        if sp is not None and self.shared is not None:
+            from torch.distributed.tensor import DTensor  # torch.distributed only under tensor parallelism
+
+            w_up = self.shared.w_up  # split over the tp mesh (FSDP2 may shard it over others too); a plan of one's own left it whole
+            if not (isinstance(w_up, DTensor) and sp.mesh.mesh_dim_names and sp.mesh.mesh_dim_names[0] in (w_up.device_mesh.mesh_dim_names or ())):
+                raise ValueError("MoE: under sequence parallelism (its sequence_parallel set) its shared experts would run on the rank's "
+                                 "token shard with whole weights, each rank's gradients a share of theirs, without a word: split them "
+                                 "over tp with fmoe.parallel.SwiGLUParallel (as tensor_parallel_plan does)")
         replicated = (lambda w: w) if sp is None else sp.weight
         params = {"router": replicated(_local(self.router))}
         for name in ("router_bias", "router_norm", "expert_scale"):

@@ -12,6 +12,8 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     split_tokens, gather_tokens        tokens split over tp ranks (Replicate -> Shard(0)) and gathered back
     tensor_parallel_plan, ShardTokens, SequenceShard, HeadShard, copy_to_tp, gather_from_sp,
     reduce_scatter_to_sp               tensor parallel with sequence parallelism (parallelize_module)
+    AttentionParallel, LinearAttentionParallel, SwiGLUParallel, SequenceParallelModule   the
+                                       plan's styles, for a plan of one's own
     all_reduce_counts, all_reduce_sums   per-layer counts and logged sums (kept on device), one
                                        collective each
     replica_mismatches, bits_hash      do the ranks that should hold identical parameters and
@@ -84,9 +86,13 @@ from fmoe.parallel.reduce import (
     z_loss_split,
 )
 from fmoe.parallel.tensor import (
+    AttentionParallel,
     HeadShard,
+    LinearAttentionParallel,
+    SequenceParallelModule,
     SequenceShard,
     ShardTokens,
+    SwiGLUParallel,
     copy_to_tp,
     gather_from_sp,
     reduce_scatter_to_sp,
@@ -147,6 +153,10 @@ __all__ = [
     "gather_from_sp",
     "SequenceShard",
     "HeadShard",
+    "AttentionParallel",
+    "LinearAttentionParallel",
+    "SequenceParallelModule",
+    "SwiGLUParallel",
     "ShardTokens",
     "shard_experts",
     "tensor_parallel_plan",

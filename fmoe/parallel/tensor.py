@@ -592,7 +592,10 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     for name, module in model.named_modules():
         if isinstance(module, (Attention, LinearAttention, DenseMLP, MoE)) and not in_block(name):
             raise ValueError(f"model: {type(module).__name__} {name!r} is not inside a fmoe.model.Block; sequence parallelism "
-                             "splits tokens at Blocks (build your own plan with ShardTokens at the edges of the token-sharded run)")
+                             "splits tokens at Blocks: put it in one (a Block's attn or mlp), or build your own plan with this plan's "
+                             "styles (fmoe.parallel: ShardTokens at the edges of the token-sharded run, AttentionParallel, "
+                             "LinearAttentionParallel, SwiGLUParallel for dense MLPs and a MoE's shared experts, SequenceParallelModule "
+                             "for a MoE and the norms inside the run)")
         if isinstance(module, Attention):
             plan[name] = AttentionParallel(_attention_knobs(model, module))
         elif isinstance(module, LinearAttention):

@@ -1205,11 +1205,14 @@ def _own_modules_under_tp_and_cp() -> list[str]:
     ran on the token shard, the norm's gradient one rank's share and the attention within the shard, without a word; the
     plan applied by hand with its experts' entries, then apply_fsdp, summed the experts' gradients twice (over tp, then
     over edp, which holds tp), and apply_fsdp without the plan counted each token tp times; a model's own compute_dtype
-    and step_hook were overwritten and a submodule named logits refused by torch after the model was half sharded."""
+    and step_hook were overwritten and a submodule named logits refused by torch after the model was half sharded; a plan of
+    one's own that gave a MoE its SequenceParallelModule but not its shared experts their SwiGLUParallel left their gradients
+    each rank's share."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fmoe.model import Block, Transformer, TransformerConfig
     from fmoe.parallel import apply_fsdp, build_meshes, parallelize, tensor_parallel_plan
+    from fmoe.train.data import make_batch
 
     cfg, messages = TransformerConfig(**TINY), []
     own_norm, own_attn = Transformer(cfg), Transformer(cfg)
@@ -1226,6 +1229,17 @@ def _own_modules_under_tp_and_cp() -> list[str]:
             messages.append("accepted")
         except ValueError as err:
             messages.append(str(err))
+    # a plan of one's own with the MoE's SequenceParallelModule and without its shared experts' SwiGLUParallel: their
+    # gradients were each rank's share
+    planless_shared = Transformer(cfg)
+    parallelize_module(planless_shared, meshes.tp_mesh, {name: style for name, style in tensor_parallel_plan(planless_shared).items()
+                                                         if not name.endswith(".shared")})
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (24,)), torch.tensor([0, 24]), cfg.mtp_depth)
+    try:
+        planless_shared(batch, planless_shared.context(batch))
+        messages.append("accepted")
+    except ValueError as err:
+        messages.append(str(err))
     own = _Blocks(torch.nn.ModuleList([Block(cfg, moe=False)]))
     own.logits, own.compute_dtype, own.step_hook = torch.nn.Linear(cfg.hidden, 8), torch.float64, "mine"
     parallelize(own, build_meshes(has_experts=False))
@@ -1235,7 +1249,7 @@ def _own_modules_under_tp_and_cp() -> list[str]:
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 20
+        assert len(messages) == 21
         assert "tp: Attention 'blocks.0.attn': its n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
@@ -1262,7 +1276,9 @@ def test_parallelize_refuses_what_does_not_split(results):
                                        "for them), and FSDP2 sums them over edp, which holds the tp ranks: they would be 2 times too large")
         assert messages[18].startswith("model: MoE 'blocks.1.mlp' runs every token on each of the tp = 2 ranks (no sequence-parallel plan "
                                        "on it)"), messages[18]
-        assert messages[19] == "own names: torch.float64 mine Linear"
+        assert messages[19].startswith("MoE: under sequence parallelism (its sequence_parallel set) its shared experts would run on the "
+                                       "rank's token shard with whole weights"), messages[19]
+        assert messages[20] == "own names: torch.float64 mine Linear"
 
 
 def _failed_export(rank, world):
