@@ -291,7 +291,8 @@ def split_param_groups(
     a linear-attention layer's convolution taps, a filter per channel) or it is the weight of
     one of torch.nn's convolutions (nn.Conv1d/2d/3d and their transposes: [out, in, *kernel],
     which Muon would take as a batch of kernel-sized matrices, orthogonalising each 3 x 3
-    slice on its own); everything else goes to AdamW. adamw_patterns: strings, or one string
+    slice on its own) or of a torch.nn.Embedding / EmbeddingBag (a lookup whatever its name:
+    `wte`, `tok`); everything else goes to AdamW. adamw_patterns: strings, or one string
     as one pattern. The default patterns send a norm's own matrices to AdamW too (a gated
     norm's low-rank gate_down / gate_up, norm_gate_rank: "norm" is in their names), decayed.
 
@@ -301,7 +302,8 @@ def split_param_groups(
     D], a bias per place in a run) get none (Megatron Core's default; none goes to Muon
     either), nor do Mamba-1's log-decays A_log [C, N] (a vector per channel) and the
     q/k norms' weights and biases per head [heads, D], nor, with decay_embeddings=False, the
-    embeddings and output heads (names containing "embed" or "head"); the rest get
+    embeddings and output heads (names containing "embed" or "head", and torch.nn.Embedding's
+    weights whatever their names); the rest get
     `weight_decay`. decay_embeddings changes only the decay, never the optimizer: a head
     matrix outside adamw_patterns stays in Muon, in a group of its own without decay.
 
@@ -324,13 +326,14 @@ def split_param_groups(
         raise ValueError(f"adamw_patterns: expected a string or an iterable of strings (substrings of parameter names), got {adamw_patterns!r}")
     muon_params, adamw_params = ([], []), ([], [])  # (decayed, undecayed) each
     filters = {id(m.weight) for m in model.modules() if isinstance(m, CONVOLUTIONS)}  # [out, in, *kernel]: not a batch of matrices
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}  # by type: a `wte` went to Muon
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         not_a_matrix = (p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL + PER_HEAD_NORMS)
                         or "bias" in name.rsplit(".", 1)[-1])  # a bias of any shape (compressed attention's [m, D] by place)
-        to_muon = muon and not not_a_matrix and id(p) not in filters and not any(pattern in name for pattern in patterns)
-        undecayed = not_a_matrix or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS))
+        to_muon = muon and not not_a_matrix and id(p) not in filters | lookups and not any(pattern in name for pattern in patterns)
+        undecayed = not_a_matrix or (not decay_embeddings and (id(p) in lookups or any(part in name for part in EMBEDDING_PATTERNS)))
         (muon_params if to_muon else adamw_params)[undecayed].append(p)
 
     def groups(lr: float, params: tuple[list, list]) -> list[dict]:

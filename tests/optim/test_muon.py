@@ -321,6 +321,25 @@ def test_split_param_groups_sends_torch_convolutions_to_adamw():
     assert {id(net.conv2.bias), id(net.up.bias), id(net.proj.bias)} <= no_decay_ids
 
 
+def test_split_param_groups_knows_torch_embeddings_by_type():
+    """An nn.Embedding of one's own named `wte` (or an EmbeddingBag `tok`) went to Muon by its name and was decayed
+    with decay_embeddings=False; it is a lookup whatever its name: AdamW, undecayed when asked."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(10, 8)
+            self.tok = torch.nn.EmbeddingBag(10, 8)
+            self.proj = torch.nn.Linear(8, 8)
+
+    net = Net()
+    for decay in (True, False):
+        muon, adamw = split_param_groups(net, weight_decay=0.1, decay_embeddings=decay)
+        (muon_ids,), by_decay = _ids(muon), {group["weight_decay"]: {id(p) for p in group["params"]} for group in adamw}
+        lookups = {id(net.wte.weight), id(net.tok.weight)}
+        assert muon_ids == {id(net.proj.weight)}
+        assert lookups <= by_decay[0.1 if decay else 0.0] and id(net.proj.bias) in by_decay[0.0]
+
+
 @pytest.mark.parametrize("qk_norm, bias", [("head_layer", False), ("head_layer", True), ("layer", True)])
 def test_split_param_groups_keeps_per_head_qk_norms_out_of_muon_and_decay(qk_norm, bias):
     """The q/k LayerNorms' weights (and biases) per head [heads, D] (Cohere's, Chameleon's) or
