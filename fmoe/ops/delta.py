@@ -342,28 +342,71 @@ def _(w_k, k_out, keep, grad_states):
     return [torch.empty_like(grad_states), grad_states.new_empty((R, M, C, grad_states.shape[-1]))]
 
 
+# The torch path under torch.compile: _states_ref's loop over the M chunks, traced, made a graph
+# per chunk count (T / chunk_size rounded up; with fullgraph=True the 9th count failed on the
+# recompile limit). As ops of their own, its forward and the backward recurrence (the kernels')
+# are opaque to the compiler, M a size like any other.
+@torch.library.custom_op("fmoe::delta_states_ref", mutates_args=())
+def _states_ref_op(w_v: torch.Tensor, w_k: Optional[torch.Tensor], k_out: torch.Tensor, keep: torch.Tensor, state0: torch.Tensor) -> torch.Tensor:
+    """_states_ref as one op (torch.compile's torch path)."""
+    return _states_ref(w_v, w_k, k_out, keep, state0)
+
+
+@_states_ref_op.register_fake
+def _(w_v, w_k, k_out, keep, state0):
+    R, M, C, K = k_out.shape
+    return w_v.new_empty((R, M + 1, K, w_v.shape[-1]))
+
+
+@torch.library.custom_op("fmoe::delta_states_bwd_ref", mutates_args=())
+def _states_bwd_ref_op(w_k: Optional[torch.Tensor], k_out: torch.Tensor, keep: torch.Tensor, grad_states: torch.Tensor) -> list[torch.Tensor]:
+    """_states_bwd_kernel's recurrence in torch, chunk after chunk from the last: g_M = the
+    last state's gradient; du_m = K_m g_m+1, g_m = its own gradient + keep_m g_m+1 - W_k,m^T du_m."""
+    M = k_out.shape[1]
+    g, du = torch.empty_like(grad_states), grad_states.new_empty((*k_out.shape[:3], grad_states.shape[-1]))
+    g[:, M] = grad_states[:, M]
+    for m in range(M - 1, -1, -1):
+        du[:, m] = k_out[:, m] @ g[:, m + 1]
+        g[:, m] = grad_states[:, m] + keep[:, m, :, None] * g[:, m + 1] - (0 if w_k is None else w_k[:, m].transpose(-1, -2) @ du[:, m])
+    return [g, du]
+
+
+@_states_bwd_ref_op.register_fake
+def _(w_k, k_out, keep, grad_states):
+    R, M, C, _ = k_out.shape
+    return [torch.empty_like(grad_states), grad_states.new_empty((R, M, C, grad_states.shape[-1]))]
+
+
 def _states_setup_context(ctx, inputs, output):
     w_v, w_k, k_out, keep, _state0 = inputs
     ctx.save_for_backward(w_v, w_k, k_out, keep, output)
 
 
-def _states_backward(ctx, grad_states):
-    w_v, w_k, k_out, keep, states = ctx.saved_tensors  # w_k None without the rule
-    g, du = _states_bwd_kernel(w_k, k_out, keep, grad_states.contiguous())
-    before, after = states[:, :-1], g[:, 1:]  # S_m and the total gradient of S_m+1, every chunk at once
-    u = w_v if w_k is None else w_v - w_k @ before
-    grad_w_k = None if w_k is None else -du @ before.transpose(-1, -2)
-    return du, grad_w_k, u @ after.transpose(-1, -2), (before * after).sum(-1), g[:, 0]
+def _states_backward_by(recurrence):
+    """The states' backward with the gradient recurrence of the kernels or of torch."""
+    def backward(ctx, grad_states):
+        w_v, w_k, k_out, keep, states = ctx.saved_tensors  # w_k None without the rule
+        g, du = recurrence(w_k, k_out, keep, grad_states.contiguous())
+        before, after = states[:, :-1], g[:, 1:]  # S_m and the total gradient of S_m+1, every chunk at once
+        u = w_v if w_k is None else w_v - w_k @ before
+        grad_w_k = None if w_k is None else -du @ before.transpose(-1, -2)
+        return du, grad_w_k, u @ after.transpose(-1, -2), (before * after).sum(-1), g[:, 0]
+
+    return backward
 
 
-_states_kernel.register_autograd(_states_backward, setup_context=_states_setup_context)
+_states_kernel.register_autograd(_states_backward_by(_states_bwd_kernel), setup_context=_states_setup_context)
+_states_ref_op.register_autograd(_states_backward_by(_states_bwd_ref_op), setup_context=_states_setup_context)
 
 
 def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
     """The states S_0 .. S_M [R, M + 1, Dk, Dv]: the Triton kernels (use_triton(impl); Dk at
-    most 128), else _states_ref. w_k None: no rule."""
+    most 128), else _states_ref (as one op under torch.compile: a graph for every chunk count
+    M otherwise). w_k None: no rule."""
     if use_triton(impl, w_v, w_k, k_out, keep, state0) and k_out.shape[-1] <= 128:
         return _states_kernel(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
+    if torch.compiler.is_compiling():
+        return _states_ref_op(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
     return _states_ref(w_v, w_k, k_out, keep, state0)
 
 

@@ -309,6 +309,30 @@ def test_compiles_whole(impl, channels):
         torch.testing.assert_close(g, x.grad)
 
 
+def test_the_torch_path_compiles_once_for_every_chunk_count():
+    """torch.compile(dynamic=True, fullgraph=True) of the torch path: the states' loop over the chunks, traced, made a
+    graph per chunk count (ceil(T / chunk_size)) and the 9th count failed on the recompile limit; it is one op of its own
+    there (fmoe::delta_states_ref, its backward the kernels' recurrence in torch): outputs and gradients equal eager's
+    for 4 chunk counts, in at most 2 graphs (dynamo's own specialisations; the loop made 4)."""
+    from torch._dynamo.utils import counters
+
+    def step(q, k, v, g, beta, cu):  # gated_linear_attention's states are the same op without w_k (opcheck below)
+        return gated_delta_rule(q, k, v, g, beta, cu, chunk_size=2, impl="torch", check=False)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (5, 9, 13, 17):  # chunk counts 3, 5, 7, 9
+        xs = _inputs(1, T, 2, 4, 4, seed=T, requires_grad=True)
+        cu = torch.tensor([0, T // 2, T])
+        grad_o = torch.randn(1, T, 2, 4)
+        outs = [f(*xs, cu) for f in (compiled, step)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+        for a, b in zip(*(torch.autograd.grad((out * grad_o).sum(), xs[:4]) for out in outs)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
 # ---------------------------------------------------------------------------- the states' Triton kernels
 
 
@@ -364,6 +388,15 @@ def test_states_kernels_pass_opcheck():
     # without the rule (gated_linear_attention): w_k None
     torch.library.opcheck(torch.ops.fmoe.delta_states.default, (w_v, None, k_out, keep, state0))
     torch.library.opcheck(torch.ops.fmoe.delta_states_bwd.default, (None, k_out.detach(), keep.detach(), torch.randn(R, M + 1, K, V, generator=g)))
+    # the torch path's ops under torch.compile: the same registrations, and the same values as the kernels'
+    for rule in (w_k, None):
+        torch.library.opcheck(torch.ops.fmoe.delta_states_ref.default, (w_v, rule, k_out, keep, state0))
+        grad_states = torch.randn(R, M + 1, K, V, generator=g)
+        plain = None if rule is None else rule.detach()
+        torch.library.opcheck(torch.ops.fmoe.delta_states_bwd_ref.default, (plain, k_out.detach(), keep.detach(), grad_states))
+        for a, b in zip(torch.ops.fmoe.delta_states_bwd_ref(plain, k_out.detach(), keep.detach(), grad_states),
+                        torch.ops.fmoe.delta_states_bwd(plain, k_out.detach(), keep.detach(), grad_states)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
