@@ -1150,7 +1150,8 @@ class AttentionConfig:
                 raise ValueError(f"chunk: chunked attention or a sliding window, not both (window = {self.window})")
         if self.temperature_floor is not None:
             check_positive_int("temperature_floor", self.temperature_floor)
-        if isinstance(self.temperature_scale, bool) or not isinstance(self.temperature_scale, (int, float)) or not math.isfinite(self.temperature_scale):
+        scale = self.temperature_scale  # finite by comparisons: math.isfinite broke torch.compile(dynamic=True)'s graph (a symbolic float)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
             raise ValueError(f"temperature_scale: expected a finite number, got {self.temperature_scale!r}")
         if self.temperature_offset not in (0, 1) or isinstance(self.temperature_offset, bool):
             raise ValueError(f"temperature_offset: expected 0 (Mistral 4) or 1 (Llama 4), got {self.temperature_offset!r}")

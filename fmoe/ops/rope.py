@@ -263,7 +263,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def _yarn_mscale(factor, mscale, name: str) -> float:
     """yarn_mscale, its mscale checked under the caller's name for it (mscale_all_dim)."""
     factor = _check_number("factor", factor, above=0.0)
-    if isinstance(mscale, bool) or not isinstance(mscale, (int, float)) or not math.isfinite(mscale):
+    # finite by comparisons (NaN fails both): math.isfinite broke the graph on torch.compile(dynamic=True)'s symbolic floats
+    if isinstance(mscale, bool) or not isinstance(mscale, (int, float)) or not -math.inf < mscale < math.inf:
         raise ValueError(f"{name}: expected a finite number, got {mscale!r}")
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 

@@ -621,3 +621,25 @@ def test_gpu_a_head_major_view_past_int32():
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
     apply_rope(x, cos, sin, inplace=True)
     assert torch.equal(x[last], got)
+
+
+def test_yarn_scales_compile_with_symbolic_floats():
+    """torch.compile(dynamic=True) makes the Python floats of a compiled function symbolic: the finiteness checks of
+    yarn_cos_sin_scale (its mscale) and of an attention's config (temperature_scale, built with each context) called
+    math.isfinite on them, a graph break (fullgraph=True: an error, in every YaRN model without attn_scale)."""
+    from fmoe.layers import AttentionConfig
+
+    def step(x, pos, factor):
+        scale = yarn_cos_sin_scale(factor, mscale=1.0, mscale_all_dim=0.0)
+        cfg = AttentionConfig(n_heads=2, n_kv_heads=2, head_dim=4, temperature_scale=factor / 8)
+        return apply_rope(x, *rope_cos_sin(pos, rope_inv_freq(4), scale=scale), impl="torch") * cfg.temperature_scale
+
+    x, pos = torch.randn(5, 2, 4), torch.arange(5)
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    for factor in (4.0, 8.0):
+        torch.testing.assert_close(compiled(x, pos, factor), step(x, pos, factor))
+    for bad in (float("nan"), float("inf")):  # still refused, eager or compiled
+        with pytest.raises(ValueError, match="mscale: expected a finite number"):
+            yarn_cos_sin_scale(4.0, mscale=bad)
+        with pytest.raises(ValueError, match="temperature_scale: expected a finite number"):
+            AttentionConfig(n_heads=2, n_kv_heads=2, head_dim=4, temperature_scale=bad)
