@@ -86,12 +86,78 @@ def _linear_ce_chunks_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V,
     """linear_cross_entropy_ref over chunk_rows rows at a time, each chunk's logits recomputed
     in the backward (torch.utils.checkpoint): one chunk's logits and their float32 copies live
     at a time, not N x V three times over. The chunks' sums add up in order."""
-    total = None
-    for lo in range(0, h_NH.shape[0], chunk_rows):
-        part = checkpoint(linear_cross_entropy_ref, h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index, False,
-                          bias_V, softcap, use_reentrant=False)
-        total = part if total is None else total + part
+    if torch.compiler.is_compiling():  # the loop, traced, made a graph per chunk count: one op of its own there
+        total = _linear_ce_chunks_op(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows)
+    else:
+        total = None
+        for lo in range(0, h_NH.shape[0], chunk_rows):
+            part = checkpoint(linear_cross_entropy_ref, h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index,
+                              False, bias_V, softcap, use_reentrant=False)
+            total = part if total is None else total + part
     return total / (labels_N != ignore_index).sum().clamp(min=1) if mean else total
+
+
+# The chunks under torch.compile: traced, the loop over N / chunk_rows chunks specialised the
+# count (a graph per count; with fullgraph=True the 9th failed on the recompile limit). As ops
+# of their own the sum and its backward run the same reference, chunk by chunk, opaque to it.
+@torch.library.custom_op("fmoe::linear_ce_chunks_ref", mutates_args=())
+def _linear_ce_chunks_op(h_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor, ignore_index: int,
+                         bias_V: Optional[torch.Tensor], softcap: Optional[float], chunk_rows: int) -> torch.Tensor:
+    """The summed loss of _linear_ce_chunks_ref (float32, 0-D)."""
+    parts = [linear_cross_entropy_ref(h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index, False, bias_V, softcap)
+             for lo in range(0, h_NH.shape[0], chunk_rows)]
+    return torch.stack(parts).sum()
+
+
+@_linear_ce_chunks_op.register_fake
+def _(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows):
+    return h_NH.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fmoe::linear_ce_chunks_ref_bwd", mutates_args=())
+def _linear_ce_chunks_bwd_op(grad: torch.Tensor, h_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor, ignore_index: int,
+                             bias_V: Optional[torch.Tensor], softcap: Optional[float], chunk_rows: int) -> list[torch.Tensor]:
+    """(dh, dweight, dbias: [0] without a bias) of the summed loss times grad: each chunk's
+    logits recomputed, their gradient (softmax - onehot(label)) times the cap's derivative
+    1 - (z / c)^2, none for ignored rows and unknown labels (cross_entropy_ref's, as its
+    autograd gives it), in h's dtype for the products."""
+    dh, dw = torch.empty_like(h_NH), torch.zeros_like(weight_VH)
+    db = torch.zeros_like(bias_V) if bias_V is not None else h_NH.new_empty((0,))
+    V = weight_VH.shape[0]
+    for lo in range(0, h_NH.shape[0], chunk_rows):
+        h, labels = h_NH[lo:lo + chunk_rows], labels_N[lo:lo + chunk_rows]
+        x = h @ weight_VH.T if bias_V is None else torch.addmm(bias_V, h, weight_VH.T)
+        valid = labels != ignore_index
+        z = softcap_ref(x.masked_fill(~valid[:, None], 0).float(), softcap)
+        known = valid & (labels >= 0) & (labels < V)
+        dz = torch.softmax(z, dim=-1) - torch.nn.functional.one_hot(torch.where(known, labels, 0).long(), V)
+        if softcap is not None:
+            dz = dz * (1 - (z / softcap).square())
+        dx = (torch.where(known[:, None], dz, 0.0) * grad.float()).to(h.dtype)
+        dh[lo:lo + chunk_rows] = dx @ weight_VH
+        dw += dx.T @ h
+        if bias_V is not None:
+            db += dx.sum(0)
+    return [dh, dw, db]
+
+
+@_linear_ce_chunks_bwd_op.register_fake
+def _(grad, h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows):
+    return [torch.empty_like(h_NH), torch.empty_like(weight_VH), torch.empty_like(bias_V) if bias_V is not None else h_NH.new_empty((0,))]
+
+
+def _linear_ce_chunks_setup(ctx, inputs, output):
+    h_NH, weight_VH, labels_N, ctx.ignore_index, bias_V, ctx.softcap, ctx.chunk_rows = inputs
+    ctx.save_for_backward(h_NH, weight_VH, labels_N, bias_V)
+
+
+def _linear_ce_chunks_backward(ctx, grad):
+    h_NH, weight_VH, labels_N, bias_V = ctx.saved_tensors
+    dh, dw, db = _linear_ce_chunks_bwd_op(grad, h_NH, weight_VH, labels_N, ctx.ignore_index, bias_V, ctx.softcap, ctx.chunk_rows)
+    return dh, dw, None, None, None if bias_V is None else db, None, None
+
+
+_linear_ce_chunks_op.register_autograd(_linear_ce_chunks_backward, setup_context=_linear_ce_chunks_setup)
 
 
 # ----------------------------------------------------------------------------------------

@@ -725,3 +725,33 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.split()[-1]) < 40, out.stdout  # MiB
+
+
+def test_linear_ce_chunks_compile_once_for_every_chunk_count():
+    """torch.compile(dynamic=True, fullgraph=True) of the chunked torch path: its loop over the chunks, traced, made a graph
+    per chunk count (ceil(N / chunk_rows)) and the 9th failed on the recompile limit; the chunks are ops of their own there
+    (fmoe::linear_ce_chunks_ref and its backward, the same reference chunk by chunk): loss and every gradient (bias and
+    softcap, ignored rows) equal eager's for 4 chunk counts, in at most 2 graphs (the loop made 4)."""
+    from torch._dynamo.utils import counters
+
+    def step(h, w, b, labels):
+        return linear_cross_entropy(h, w, labels, bias=b, softcap=5.0, chunk_rows=4, impl="torch")
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    for N in (9, 17, 25, 33):  # 3, 5, 7, 9 chunks
+        h, w, b = (torch.randn(*shape, generator=gen, requires_grad=True) for shape in ((N, 8), (12, 8), (12,)))
+        labels = torch.randint(0, 12, (N,), generator=gen)
+        labels[::5] = -100
+        losses = [f(h, w, b, labels) for f in (compiled, step)]
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        for a, c in zip(*(torch.autograd.grad(loss_, (h, w, b)) for loss_ in losses)):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    h, w, b = torch.randn(9, 8, generator=gen), torch.randn(12, 8, generator=gen), torch.randn(12, generator=gen)
+    labels = torch.randint(0, 12, (9,), generator=gen)
+    for bias, cap in ((b, 5.0), (None, None)):
+        torch.library.opcheck(torch.ops.fmoe.linear_ce_chunks_ref.default, (h.requires_grad_(), w.requires_grad_(), labels, -100, bias, cap, 4))
+        torch.library.opcheck(torch.ops.fmoe.linear_ce_chunks_ref_bwd.default, (torch.tensor(1.5), h.detach(), w.detach(), labels, -100, bias, cap, 4))
