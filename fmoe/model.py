@@ -519,10 +519,12 @@ class MoE(KeepsFloat32):
         # gradients are summed over tp where they are used; the capacity drop sees every token
         sp = self.sequence_parallel
         if sp is not None and self.shared is not None:
-            from torch.distributed.tensor import DTensor  # torch.distributed only under tensor parallelism
+            from torch.distributed.tensor import DTensor, Shard  # torch.distributed only under tensor parallelism
 
-            w_up = self.shared.w_up  # split over the tp mesh (FSDP2 may shard it over others too); a plan of one's own left it whole
-            if not (isinstance(w_up, DTensor) and sp.mesh.mesh_dim_names and sp.mesh.mesh_dim_names[0] in (w_up.device_mesh.mesh_dim_names or ())):
+            # split by its FFN columns (SwiGLUParallel's Shard(1) of w_up [H, F]; FSDP2 shards dim 0, over other mesh dims):
+            # a plan of one's own left it whole
+            w_up = self.shared.w_up
+            if not (isinstance(w_up, DTensor) and any(isinstance(p, Shard) and p.dim == 1 for p in w_up.placements)):
                 raise ValueError("MoE: under sequence parallelism (its sequence_parallel set) its shared experts would run on the rank's "
                                  "token shard with whole weights, each rank's gradients a share of theirs, without a word: split them "
                                  "over tp with fmoe.parallel.SwiGLUParallel (as tensor_parallel_plan does)")

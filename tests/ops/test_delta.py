@@ -91,14 +91,16 @@ def test_a_neighbour_s_strong_decay_leaves_a_document_as_it_is_alone(channels, r
     fn, ref_fn = (gated_delta_rule, gated_delta_rule_loop) if rule else (gated_linear_attention, gated_linear_attention_loop)
     q, k, v, _, beta = _inputs(1, 64, 2, 8, 8, seed=14, requires_grad=True)
     cu, alone = torch.tensor([0, 40, 64], dtype=torch.int32), slice(40, 64)
-    for strong in (-50.0, -110.0, float("-inf")):
+    for strong, chunk in ((-50.0, 64), (-110.0, 64), (float("-inf"), 64), (-110.0, 16)):  # 16: A's last tokens in B's chunk
         g = torch.full((1, 64, 2, 8) if channels else (1, 64, 2), -0.001)
         g[:, :40] = strong
         extra = (beta,) if rule else ()
-        o = fn(q, k, v, g, *extra, cu, impl="torch")[:, alone]
+        o, state = fn(q, k, v, g, *extra, cu, impl="torch", chunk_size=chunk, final_state=True)
+        o = o[:, alone]
         b_in = [x[:, alone] for x in (q, k, v, g, *extra)]
-        want = ref_fn(*b_in)
-        assert float((o - want).detach().abs().max() / want.detach().abs().max()) < 2e-6, strong
+        want, want_state = ref_fn(*b_in, final_state=True)
+        assert float((o - want).detach().abs().max() / want.detach().abs().max()) < 2e-6, (strong, chunk)
+        assert float((state - want_state).detach().abs().max() / want_state.detach().abs().max()) < 2e-6, (strong, chunk)
         grad_o = torch.randn_like(o)
         got, ref = (torch.autograd.grad((out * grad_o).sum(), (q, k, v)) for out in (o, fn(*b_in, impl="torch")))
         for a, b in zip(got, ref):

@@ -734,8 +734,8 @@ def test_linear_ce_chunks_compile_once_for_every_chunk_count():
     softcap, ignored rows) equal eager's for 4 chunk counts, in at most 2 graphs (the loop made 4)."""
     from torch._dynamo.utils import counters
 
-    def step(h, w, b, labels):
-        return linear_cross_entropy(h, w, labels, bias=b, softcap=5.0, chunk_rows=4, impl="torch")
+    def step(h, w, b, labels):  # check=False: an unchecked label out of range gets a NaN loss and no gradient, as eager's
+        return linear_cross_entropy(h, w, labels, bias=b, softcap=5.0, chunk_rows=4, impl="torch", reduction="sum", check=False)
 
     torch._dynamo.reset()
     counters.clear()
@@ -747,6 +747,13 @@ def test_linear_ce_chunks_compile_once_for_every_chunk_count():
         labels[::5] = -100
         losses = [f(h, w, b, labels) for f in (compiled, step)]
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        if N == 33:  # the last: a label out of range (12 classes) in a row of its own
+            bad = labels.clone()
+            bad[-1] = 12
+            nan_losses = [f(h, w, b, bad) for f in (compiled, step)]
+            assert all(loss_.isnan() for loss_ in nan_losses)
+            for a, c in zip(*(torch.autograd.grad(loss_, (h, w, b)) for loss_ in nan_losses)):
+                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
         for a, c in zip(*(torch.autograd.grad(loss_, (h, w, b)) for loss_ in losses)):
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

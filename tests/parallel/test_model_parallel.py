@@ -1208,6 +1208,7 @@ def _own_modules_under_tp_and_cp() -> list[str]:
     and step_hook were overwritten and a submodule named logits refused by torch after the model was half sharded; a plan of
     one's own that gave a MoE its SequenceParallelModule but not its shared experts their SwiGLUParallel left their gradients
     each rank's share."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fmoe.model import Block, Transformer, TransformerConfig
@@ -1229,14 +1230,30 @@ def _own_modules_under_tp_and_cp() -> list[str]:
             messages.append("accepted")
         except ValueError as err:
             messages.append(str(err))
-    # a plan of one's own with the MoE's SequenceParallelModule and without its shared experts' SwiGLUParallel: their
-    # gradients were each rank's share
+    # a plan of one's own with the MoE's SequenceParallelModule and without its shared experts' SwiGLUParallel, then FSDP2
+    # (their weights DTensors, sharded by rows): their gradients were each rank's share
     planless_shared = Transformer(cfg)
     parallelize_module(planless_shared, meshes.tp_mesh, {name: style for name, style in tensor_parallel_plan(planless_shared).items()
-                                                         if not name.endswith(".shared")})
+                                                         if not name.endswith(".shared") and not name.endswith(".experts")})
+    apply_fsdp(planless_shared, meshes)
+    # the whole plan over a tp mesh without dimension names: the shared experts are split, and run
+    unnamed = Transformer(cfg)
+    parallelize_module(unnamed, init_device_mesh("cpu", (2,)), tensor_parallel_plan(unnamed))
     batch = make_batch(torch.randint(0, cfg.vocab_size, (24,)), torch.tensor([0, 24]), cfg.mtp_depth)
+    for model in (planless_shared, unnamed):
+        try:
+            model(batch, model.context(batch))
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
+    # parameterless torch modules inside a Block (a dropout) take no plan, and are not refused; an attention of one's own
+    # beside the Block's own (attn_beside) is refused under cp as attn is
+    dropout, beside = Transformer(cfg), Transformer(cfg)
+    dropout.blocks[0].extra = torch.nn.Sequential(torch.nn.Dropout(0.0))
+    beside.blocks[1].attn_beside = torch.nn.MultiheadAttention(cfg.hidden, 1)
+    messages.append(f"dropout: the plan of the model without it: {tensor_parallel_plan(dropout).keys() == tensor_parallel_plan(Transformer(cfg)).keys()}")
     try:
-        planless_shared(batch, planless_shared.context(batch))
+        parallelize(beside, build_meshes(cp=2))
         messages.append("accepted")
     except ValueError as err:
         messages.append(str(err))
@@ -1249,7 +1266,7 @@ def _own_modules_under_tp_and_cp() -> list[str]:
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 21
+        assert len(messages) == 24
         assert "tp: Attention 'blocks.0.attn': its n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
@@ -1278,7 +1295,10 @@ def test_parallelize_refuses_what_does_not_split(results):
                                        "on it)"), messages[18]
         assert messages[19].startswith("MoE: under sequence parallelism (its sequence_parallel set) its shared experts would run on the "
                                        "rank's token shard with whole weights"), messages[19]
-        assert messages[20] == "own names: torch.float64 mine Linear"
+        assert messages[20] == "accepted"  # the plan over a mesh without names (a check by the mesh's names refused it)
+        assert messages[21] == "dropout: the plan of the model without it: True", messages[21]
+        assert messages[22].startswith("model: MultiheadAttention 'blocks.1.attn_beside' is an attention of one's own"), messages[22]
+        assert messages[23] == "own names: torch.float64 mine Linear"
 
 
 def _failed_export(rank, world):

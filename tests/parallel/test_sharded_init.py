@@ -148,6 +148,20 @@ def test_materialize_needs_an_int_seed():
     with pytest.raises(ValueError, match=r"^model: reset_parameters\(seed=\) left 'table' unwritten \(or NaN in part\): they would hold "
                                          r"the memory to_empty gave them, another on each rank; initialise every parameter and buffer"):
         materialize(own, "cpu", seed=0)
+    class InPart(Own):  # a buffer written in part (its first entry)
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.register_buffer("part", torch.zeros(4))
+
+        def reset_parameters(self, *, seed=None):
+            super().reset_parameters(seed=seed)
+            if seed is not None:
+                self.part[:1] = 0.0
+
+    with torch.device("meta"):
+        own = InPart(4, 4)
+    with pytest.raises(ValueError, match=r"^model: reset_parameters\(seed=\) left 'part' unwritten \(or NaN in part\)"):
+        materialize(own, "cpu", seed=0)
     with torch.device("meta"):
         fmoe_own = Transformer(TransformerConfig(**TINY))
     fmoe_own.extra = Forgets(2, 2)
