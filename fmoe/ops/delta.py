@@ -316,10 +316,13 @@ def _states_kernel(w_v: torch.Tensor, w_k: Optional[torch.Tensor], k_out: torch.
     return states
 
 
-@_states_kernel.register_fake
-def _(w_v, w_k, k_out, keep, state0):
+def _states_fake(w_v, w_k, k_out, keep, state0):
+    """The states' shape [R, M + 1, Dk, Dv] (the kernel's op and the torch path's)."""
     R, M, C, K = k_out.shape
     return w_v.new_empty((R, M + 1, K, w_v.shape[-1]))
+
+
+_states_kernel.register_fake(_states_fake)
 
 
 @torch.library.custom_op("fmoe::delta_states_bwd", mutates_args=())
@@ -336,10 +339,13 @@ def _states_bwd_kernel(w_k: Optional[torch.Tensor], k_out: torch.Tensor, keep: t
     return [g, du]
 
 
-@_states_bwd_kernel.register_fake
-def _(w_k, k_out, keep, grad_states):
+def _states_bwd_fake(w_k, k_out, keep, grad_states):
+    """The backward recurrence's shapes: g as grad_states, du [R, M, C, Dv]."""
     R, M, C, _ = k_out.shape
     return [torch.empty_like(grad_states), grad_states.new_empty((R, M, C, grad_states.shape[-1]))]
+
+
+_states_bwd_kernel.register_fake(_states_bwd_fake)
 
 
 # The torch path under torch.compile: _states_ref's loop over the M chunks, traced, made a graph
@@ -352,10 +358,7 @@ def _states_ref_op(w_v: torch.Tensor, w_k: Optional[torch.Tensor], k_out: torch.
     return _states_ref(w_v, w_k, k_out, keep, state0)
 
 
-@_states_ref_op.register_fake
-def _(w_v, w_k, k_out, keep, state0):
-    R, M, C, K = k_out.shape
-    return w_v.new_empty((R, M + 1, K, w_v.shape[-1]))
+_states_ref_op.register_fake(_states_fake)
 
 
 @torch.library.custom_op("fmoe::delta_states_bwd_ref", mutates_args=())
@@ -371,10 +374,7 @@ def _states_bwd_ref_op(w_k: Optional[torch.Tensor], k_out: torch.Tensor, keep: t
     return [g, du]
 
 
-@_states_bwd_ref_op.register_fake
-def _(w_k, k_out, keep, grad_states):
-    R, M, C, _ = k_out.shape
-    return [torch.empty_like(grad_states), grad_states.new_empty((R, M, C, grad_states.shape[-1]))]
+_states_bwd_ref_op.register_fake(_states_bwd_fake)
 
 
 def _states_setup_context(ctx, inputs, output):
