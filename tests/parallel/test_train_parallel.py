@@ -574,7 +574,7 @@ def test_an_upcycled_run_on_two_ranks_logs_the_one_process_losses(tmp_path):
     printed = []
     one = _train(tmp_path / "one", 1, f"--upcycle_from={tmp_path / 'dense'}", "--upcycle_drop=0.25", stdout=printed)
     two = _train(tmp_path / "two", 2, f"--upcycle_from={tmp_path / 'dense'}", "--upcycle_drop=0.25", "--ep=2")
-    assert "4 experts, each a slice of 1/2 of its FFN, 25% of each one's channels drawn afresh" in printed[0]
+    assert "4 experts, each a slice of 1/2 of its FFN, 25% of each one's channels (8 of 32) drawn afresh" in printed[0]
     _assert_same(two, one)  # Drop-Upcycling's draws too: each rank writes its block of the same full values
 
 
