@@ -717,9 +717,10 @@ def _rel(a, b):
 # output norm magnifies it in a head whose output is small (in one of these random models
 # fmoe's token-by-token loop, its definition, is itself 2e-5 from transformers). A mapping
 # error moves them by 1e-2 and more. Falcon Mamba's logits are 9.2e-6 (torch) and 1.0e-5 (the scan kernels) from
-# transformers' in this model, Mamba's 4.8e-6 and 2.7e-6.
+# transformers' in this model, Mamba's 4.8e-6 and 2.7e-6. Ling's hybrid (bailing_hybrid) runs Kimi Delta Attention too:
+# 1.07e-5 in the export's test once a chunk's decays were summed per document (over the pairs, not a running sum).
 TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, qwen3_5_text=1e-4, qwen3_5=1e-4, kimi_linear=1e-4, lara_mini=1e-4,
-           falcon_mamba=3e-5)
+           bailing_hybrid=1e-4, falcon_mamba=3e-5)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
