@@ -404,10 +404,12 @@ def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
     most 128), else _states_ref (as one op under torch.compile: a graph for every chunk count
     M otherwise). w_k None: no rule."""
     if use_triton(impl, w_v, w_k, k_out, keep, state0) and k_out.shape[-1] <= 128:
-        return _states_kernel(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
-    if torch.compiler.is_compiling():
-        return _states_ref_op(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
-    return _states_ref(w_v, w_k, k_out, keep, state0)
+        op = _states_kernel
+    elif torch.compiler.is_compiling():
+        op = _states_ref_op
+    else:
+        return _states_ref(w_v, w_k, k_out, keep, state0)
+    return op(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
 
 
 def _pair_sums(x, k, gamma):

@@ -64,12 +64,13 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fmoe.layers import EXPERT_BIASES
 from fmoe.model import Attention, Block, GroupedExperts, HyperConnection, LinearAttention, MoE, ResidualGate, Transformer
+from fmoe.ops.backend import local_tensor
 from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -442,17 +443,13 @@ def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
         raise ValueError(f"seed: expected an int, the same on every rank, got {seed!r}")
     model.to_empty(device=device)
     floating = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()]
-
-    def local(t: torch.Tensor) -> torch.Tensor:  # a rank's own values (a DTensor's reduction would be a collective)
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    with torch.no_grad():
+    with torch.no_grad():  # each rank's own values (a DTensor's reduction would be a collective)
         for _, t in floating:
-            local(t).fill_(float("nan"))
+            local_tensor(t).fill_(float("nan"))
     model.reset_parameters(seed=seed)
     if floating:
         with torch.no_grad():  # one read on the host
-            left = torch.stack([local(t).isnan().any() for _, t in floating]).tolist()
+            left = torch.stack([local_tensor(t).isnan().any() for _, t in floating]).tolist()
         unwritten = [name for (name, _), nan in zip(floating, left) if nan]
         if unwritten:
             raise ValueError(f"model: reset_parameters(seed=) left {', '.join(repr(n) for n in unwritten[:4])}"
