@@ -82,17 +82,29 @@ def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias
     return cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap)
 
 
-def _linear_ce_chunks_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V, softcap, chunk_rows):
+def _chunk_loss(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, dtype):
+    """One chunk's summed loss, its weight and bias used in h's dtype (a float32 master cast
+    back exactly): the chunks' gradients then add up in the master's dtype."""
+    bias_V = None if bias_V is None else bias_V.to(dtype)
+    return linear_cross_entropy_ref(h_NH, weight_VH.to(dtype), labels_N, ignore_index, False, bias_V, softcap)
+
+
+def _linear_ce_chunks_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V, softcap, chunk_rows, fp32_accumulate):
     """linear_cross_entropy_ref over chunk_rows rows at a time, each chunk's logits recomputed
     in the backward (torch.utils.checkpoint): one chunk's logits and their float32 copies live
-    at a time, not N x V three times over. The chunks' sums add up in order."""
+    at a time, not N x V three times over. The chunks' sums add up in order; their dweight in
+    weight's dtype (rounded once per chunk), or with fp32_accumulate in float32 (a float32
+    copy of weight that each chunk casts back, rounded once at the end), their dbias in
+    float32 (rounded once), as on the Triton path."""
     if torch.compiler.is_compiling():  # the loop, traced, made a graph per chunk count: one op of its own there
-        total = _linear_ce_chunks_op(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows)
+        total = _linear_ce_chunks_op(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows, fp32_accumulate)
     else:
         total = None
+        master_VH = weight_VH.float() if fp32_accumulate else weight_VH
+        master_V = None if bias_V is None else bias_V.float()
         for lo in range(0, h_NH.shape[0], chunk_rows):
-            part = checkpoint(linear_cross_entropy_ref, h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index,
-                              False, bias_V, softcap, use_reentrant=False)
+            part = checkpoint(_chunk_loss, h_NH[lo:lo + chunk_rows], master_VH, labels_N[lo:lo + chunk_rows], ignore_index,
+                              master_V, softcap, h_NH.dtype, use_reentrant=False)
             total = part if total is None else total + part
     return total / (labels_N != ignore_index).sum().clamp(min=1) if mean else total
 
@@ -102,7 +114,7 @@ def _linear_ce_chunks_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V,
 # of their own the sum and its backward run the same reference, chunk by chunk, opaque to it.
 @torch.library.custom_op("fmoe::linear_ce_chunks_ref", mutates_args=())
 def _linear_ce_chunks_op(h_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor, ignore_index: int,
-                         bias_V: Optional[torch.Tensor], softcap: Optional[float], chunk_rows: int) -> torch.Tensor:
+                         bias_V: Optional[torch.Tensor], softcap: Optional[float], chunk_rows: int, fp32_accumulate: bool) -> torch.Tensor:
     """The summed loss of _linear_ce_chunks_ref (float32, 0-D)."""
     parts = [linear_cross_entropy_ref(h_NH[lo:lo + chunk_rows], weight_VH, labels_N[lo:lo + chunk_rows], ignore_index, False, bias_V, softcap)
              for lo in range(0, h_NH.shape[0], chunk_rows)]
@@ -110,19 +122,22 @@ def _linear_ce_chunks_op(h_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: 
 
 
 @_linear_ce_chunks_op.register_fake
-def _(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows):
+def _(h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows, fp32_accumulate):
     return h_NH.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("fmoe::linear_ce_chunks_ref_bwd", mutates_args=())
 def _linear_ce_chunks_bwd_op(grad: torch.Tensor, h_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor, ignore_index: int,
-                             bias_V: Optional[torch.Tensor], softcap: Optional[float], chunk_rows: int) -> list[torch.Tensor]:
+                             bias_V: Optional[torch.Tensor], softcap: Optional[float], chunk_rows: int,
+                             fp32_accumulate: bool) -> list[torch.Tensor]:
     """(dh, dweight, dbias: [0] without a bias) of the summed loss times grad: each chunk's
     logits recomputed, their gradient (softmax - onehot(label)) times the cap's derivative
     1 - (z / c)^2, none for ignored rows and unknown labels (cross_entropy_ref's, as its
-    autograd gives it), in h's dtype for the products."""
-    dh, dw = torch.empty_like(h_NH), torch.zeros_like(weight_VH)
-    db = torch.zeros_like(bias_V) if bias_V is not None else h_NH.new_empty((0,))
+    autograd gives it), in h's dtype for the products; dweight summed over the chunks in
+    weight's dtype (float32 with fp32_accumulate), dbias in float32, as eager's."""
+    dh = torch.empty_like(h_NH)
+    dw = torch.zeros_like(weight_VH, dtype=torch.float32 if fp32_accumulate else weight_VH.dtype)
+    db = torch.zeros_like(bias_V, dtype=torch.float32) if bias_V is not None else h_NH.new_empty((0,))
     V = weight_VH.shape[0]
     for lo in range(0, h_NH.shape[0], chunk_rows):
         h, labels = h_NH[lo:lo + chunk_rows], labels_N[lo:lo + chunk_rows]
@@ -138,23 +153,24 @@ def _linear_ce_chunks_bwd_op(grad: torch.Tensor, h_NH: torch.Tensor, weight_VH: 
         dw += dx.T @ h
         if bias_V is not None:
             db += dx.sum(0)
-    return [dh, dw, db]
+    return [dh, dw.to(weight_VH.dtype), db.to(h_NH.dtype) if bias_V is not None else db]
 
 
 @_linear_ce_chunks_bwd_op.register_fake
-def _(grad, h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows):
+def _(grad, h_NH, weight_VH, labels_N, ignore_index, bias_V, softcap, chunk_rows, fp32_accumulate):
     return [torch.empty_like(h_NH), torch.empty_like(weight_VH), torch.empty_like(bias_V) if bias_V is not None else h_NH.new_empty((0,))]
 
 
 def _linear_ce_chunks_setup(ctx, inputs, output):
-    h_NH, weight_VH, labels_N, ctx.ignore_index, bias_V, ctx.softcap, ctx.chunk_rows = inputs
+    h_NH, weight_VH, labels_N, ctx.ignore_index, bias_V, ctx.softcap, ctx.chunk_rows, ctx.fp32_accumulate = inputs
     ctx.save_for_backward(h_NH, weight_VH, labels_N, bias_V)
 
 
 def _linear_ce_chunks_backward(ctx, grad):
     h_NH, weight_VH, labels_N, bias_V = ctx.saved_tensors
-    dh, dw, db = _linear_ce_chunks_bwd_op(grad, h_NH, weight_VH, labels_N, ctx.ignore_index, bias_V, ctx.softcap, ctx.chunk_rows)
-    return dh, dw, None, None, None if bias_V is None else db, None, None
+    dh, dw, db = _linear_ce_chunks_bwd_op(grad, h_NH, weight_VH, labels_N, ctx.ignore_index, bias_V, ctx.softcap, ctx.chunk_rows,
+                                          ctx.fp32_accumulate)
+    return dh, dw, None, None, None if bias_V is None else db, None, None, None
 
 
 _linear_ce_chunks_op.register_autograd(_linear_ce_chunks_backward, setup_context=_linear_ce_chunks_setup)
@@ -705,7 +721,8 @@ def linear_cross_entropy(
     if not use_triton(impl, h, weight, labels, bias):
         if h.shape[0] <= chunk_rows:
             return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias, softcap)
-        return _linear_ce_chunks_ref(h, weight, labels, ignore_index, mean, bias, softcap, chunk_rows)
+        return _linear_ce_chunks_ref(h, weight, labels, ignore_index, mean, bias, softcap, chunk_rows,
+                                     accumulate_dtype == torch.float32 and weight.dtype != torch.float32)
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and weight.requires_grad
     need_db = grad_on and bias is not None and bias.requires_grad

@@ -705,6 +705,37 @@ def test_the_torch_path_past_one_chunk_takes_the_rows_chunk_by_chunk(reduction):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
 
 
+def test_the_torch_path_sums_its_chunks_gradients_as_accumulate_dtype_says():
+    """bf16 over 256 chunks on the torch path: with accumulate_dtype=torch.float32 dweight is
+    summed in float32 and rounded once (it was summed in bf16, the argument unread: 5x the
+    unfused rounding here), and dbias is summed in float32 whatever accumulate_dtype is, as
+    on the Triton path; the default sums dweight in bf16, rounded once per chunk. Eager and
+    the compiled op (fmoe::linear_ce_chunks_ref) sum alike."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 4096, 8, 16
+    h = (torch.randn(N, H, generator=g) + 0.5).bfloat16()
+    w, b = (0.1 * torch.randn(V, H, generator=g)).bfloat16(), (0.1 * torch.randn(V, generator=g)).bfloat16()
+    labels = torch.multinomial(1 / torch.arange(1.0, V + 1), N, replacement=True, generator=g)  # Zipf-like: dweight's rows large
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    TF.cross_entropy(h.double() @ w64.T + b64, labels, reduction="sum").backward()
+
+    def errors(fn, **kw):
+        wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+        fn(h, wg, bg, **kw).backward()
+        return [((got.grad.double() - want.grad).norm() / want.grad.norm()).item() for got, want in ((wg, w64), (bg, b64))]
+
+    def loss_(a, c, d, **kw):
+        return linear_cross_entropy(a, c, labels, bias=d, reduction="sum", impl="torch", check=False, **kw)
+
+    unfused = errors(loss_)  # one chunk: the unfused computation's rounding
+    compiled = torch.compile(loss_, backend="aot_eager", fullgraph=True)
+    for fn in (loss_, compiled):
+        fp32 = errors(fn, chunk_rows=16, accumulate_dtype=torch.float32)
+        default = errors(fn, chunk_rows=16)
+        assert fp32[0] < 1.2 * unfused[0] and fp32[1] < 1.2 * unfused[1], (fp32, unfused)
+        assert default[1] < 1.2 * unfused[1] and default[0] > 2 * unfused[0], (default, unfused)
+
+
 def test_the_torch_path_holds_one_chunk_s_logits():
     """N = 2048 rows over V = 8192 (64 MiB of float32 logits, 192 MiB with their copies, at
     once before), 128 rows a chunk, forward and backward in a fresh process: the peak grows
@@ -760,5 +791,7 @@ def test_linear_ce_chunks_compile_once_for_every_chunk_count():
     h, w, b = torch.randn(9, 8, generator=gen), torch.randn(12, 8, generator=gen), torch.randn(12, generator=gen)
     labels = torch.randint(0, 12, (9,), generator=gen)
     for bias, cap in ((b, 5.0), (None, None)):
-        torch.library.opcheck(torch.ops.fmoe.linear_ce_chunks_ref.default, (h.requires_grad_(), w.requires_grad_(), labels, -100, bias, cap, 4))
-        torch.library.opcheck(torch.ops.fmoe.linear_ce_chunks_ref_bwd.default, (torch.tensor(1.5), h.detach(), w.detach(), labels, -100, bias, cap, 4))
+        for fp32 in (False, True):
+            torch.library.opcheck(torch.ops.fmoe.linear_ce_chunks_ref.default, (h.requires_grad_(), w.requires_grad_(), labels, -100, bias, cap, 4, fp32))
+            torch.library.opcheck(torch.ops.fmoe.linear_ce_chunks_ref_bwd.default, (torch.tensor(1.5), h.detach(), w.detach(), labels, -100, bias, cap, 4,
+                                                                                    fp32))
