@@ -10,7 +10,8 @@ does not wait for (a pool of compile workers left running) are not counted.
     python -m pytest --durations=15 -p cpu_times   # (tests/conftest.py registers it for the suite)
 
 prints, after the slowest durations, the --durations slowest tests by CPU time (0: all;
-none without --durations) and the CPU time of every test together. Under pytest-xdist the
+none without --durations), the CPU time of every test together, and as many of the
+costliest test files (their tests' CPU time summed: where trimming the suite pays). Under pytest-xdist the
 workers measure and send each test's time with its teardown report (its user_properties,
 ("cpu_s", (user, sys))); the controller prints the list.
 """
@@ -65,3 +66,11 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"{user + system:8.2f}s cpu (sys {system:7.2f}s) {wall:8.2f}s wall  {nodeid}")
     user, system = sum(t[0] for t in _TIMES.values()), sum(t[1] for t in _TIMES.values())
     terminalreporter.write_line(f"every test: {user + system:.0f} s cpu ({user:.0f} s user, {system:.0f} s sys) in {len(_TIMES)} tests")
+    by_file: dict[str, list[float]] = {}  # file -> [cpu, tests]
+    for nodeid, (user, system, _) in _TIMES.items():
+        entry = by_file.setdefault(nodeid.split("::")[0], [0.0, 0])
+        entry[0], entry[1] = entry[0] + user + system, entry[1] + 1
+    files = sorted(by_file.items(), key=lambda kv: kv[1][0], reverse=True)
+    terminalreporter.write_sep("=", f"costliest {min(n or len(files), len(files))} test files by CPU time (their tests' together)")
+    for path, (cpu, count) in files[: n or None]:
+        terminalreporter.write_line(f"{cpu:8.1f}s cpu {count:5d} tests  {path}")

@@ -55,6 +55,17 @@ def test_the_slowest_by_cpu_count_the_children_and_not_the_sleep(tmp_path, worke
     assert total and abs(int(total[1]) - sum(c for c, *_ in rows)) <= 0.52 and out.index("slowest 3 durations") < out.index("by CPU time")
 
 
+def test_the_costliest_files_sum_their_tests(tmp_path):
+    (tmp_path / "test_one.py").write_text("import time\n\ndef test_spin():\n    t = time.process_time()\n"
+                                          "    while time.process_time() - t < 0.3: pass\n")
+    out = _run(tmp_path, "--durations=2")
+    section = out.split("costliest 2 test files by CPU time (their tests' together)")[1]
+    rows = re.findall(r"^ *([\d.]+)s cpu +(\d+) tests  (\S+)$", section, flags=re.M)
+    assert [(count, path) for _, count, path in rows] == [("3", "test_three.py"), ("1", "test_one.py")], out
+    (three, _, _), (one, _, _) = rows
+    assert 1.8 <= float(three) < 4.5 and 0.3 <= float(one) < 0.6, rows
+
+
 def test_durations_choose_how_many_and_none_prints_nothing(tmp_path):
     rows, _ = _listed(_run(tmp_path, "--durations=1"))
     assert [name for *_, name in rows] == ["test_waits_for_a_spinning_child"]
