@@ -136,13 +136,13 @@ def lr_at(
     n = step
     if warmup > 0 and n <= warmup:
         t = n / warmup
-        return init_lr * (1.0 - t) + max_lr * t  # = init + (max - init) t, exact at both ends
+        return float(init_lr * (1.0 - t) + max_lr * t)  # = init + (max - init) t, exact at both ends
     if style == "constant":  # no decay, so nothing ends at total
-        return max_lr
+        return float(max_lr)  # a float whatever Real the lrs came as (an int's 1 -> 1.0)
     if n > total:
-        return min_lr
+        return float(min_lr)
     if style == "inverse_sqrt":
-        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+        return float(max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1))))
     # here warmup <= n <= total, and n == warmup only when warmup == 0 (so r = 0, no division)
     r = (n - warmup) / (total - warmup) if total > warmup else 0.0
     if style == "linear":
@@ -163,7 +163,7 @@ def lr_at(
                 c = 2.0 * 0.5**r_w - 1.0
             else:  # minus_sqrt
                 c = 1.0 - math.sqrt(r_w)
-    return min_lr * (1.0 - c) + max_lr * c  # = min + c (max - min), exactly max_lr at c = 1
+    return float(min_lr * (1.0 - c) + max_lr * c)  # = min + c (max - min), exactly max_lr at c = 1
 
 
 class _ResumingLambdaLR(torch.optim.lr_scheduler.LambdaLR):

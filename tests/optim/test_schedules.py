@@ -121,6 +121,18 @@ def test_lr_constant_stays_at_max_after_warmup_and_past_total():
     assert lr_at(1, max_lr=2.0, total=0, style="constant") == 2.0
 
 
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse_sqrt", "wsd"])
+def test_lr_is_a_float_whatever_number_type_the_lrs_came_as(style):
+    """DESIGN's lr_at(...) -> float: with int or numpy lrs every phase (warmup, decay, past
+    total) returns a Python float (constant's max_lr and the floor past total came back as
+    the int given)."""
+    for max_lr, min_lr in ((1, 0), (numpy.int64(2), numpy.float32(0.5))):
+        for step in (0, 5, 10, 50, 100, 101, 1000):
+            lr = lr_at(step, max_lr=max_lr, min_lr=min_lr, init_lr=0, total=100, warmup=10, style=style, wsd_decay=20)
+            assert type(lr) is float, (step, type(lr))
+            assert 0 <= lr <= max_lr and (step <= 10 or lr >= min_lr)
+
+
 def test_lr_inverse_sqrt_floor():
     kw = dict(max_lr=1.0, min_lr=0.2, total=1000, warmup=10, style="inverse_sqrt")
     assert lr_at(250, **kw) == pytest.approx(0.2)  # sqrt(10 / 250) = 0.2
