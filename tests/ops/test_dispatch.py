@@ -1,6 +1,7 @@
 """permute, unpermute: kernels vs reference vs hand-computed plans and a per-token loop."""
 
 import doctest
+import math
 
 import pytest
 import torch
@@ -490,6 +491,8 @@ def test_expert_capacity_is_megatrons_ceiling():
     from fmoe.ops.routing import expert_capacity
 
     assert expert_capacity(10, 2, 4, 1.0) == 5 and expert_capacity(10, 2, 4, 1.1) == 6 and expert_capacity(3, 1, 8, 1.0) == 1
+    # the ceiling of the float product, as Megatron's (README): 200 / 4 x 1.1 = 55.00000000000001 keeps 56
+    assert expert_capacity(100, 2, 4, 1.1) == 56 == math.ceil(100 * 2 / 4 * 1.1)
 
 
 def test_more_rows_than_int32_row_ids_are_refused_before_any_work():
