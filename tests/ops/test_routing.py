@@ -686,6 +686,13 @@ def test_released_model_routing_options(impl, device):
     _, e_top2 = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, group_score_topk=2, impl=impl)
     assert e_megatron.tolist() == [[0]] and e_top2.tolist() == [[3]]
 
+    # SPEC 1's worked case: E=8, G=4, g=2, k=2, sigmoid scores [.9,.1 | .6,.5 | .7,.0 | .2,.2]: top-1 group scores keep
+    # groups 0 and 2 -> {0, 4}; top-2 scores (1.0, 1.1, .7, .4) keep groups 0 and 1 -> {0, 2}
+    x = torch.logit(torch.tensor([[0.9, 0.1, 0.6, 0.5, 0.7, 1e-6, 0.2, 0.2]], device=device))
+    for group_score_topk, want in ((None, [0, 4]), (1, [0, 4]), (2, [0, 2])):
+        _, e = F.route(x, 2, score="sigmoid", n_groups=4, topk_groups=2, group_score_topk=group_score_topk, impl=impl)
+        assert e.tolist() == [want], group_score_topk
+
 
 # ---------------------------------------------------------------------------- sparsemixer_route
 
