@@ -686,21 +686,28 @@ def test_the_schedule_s_defaults_are_those_its_knobs_name(tmp_path):
     lr = [r["lr"] for r in _records(tmp_path)]
     assert lr == pytest.approx([0.0, 0.005] + [0.01] * 9 + [0.0055]), lr
 
+
 def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
     """A corpus concatenated into one file is one document: the sampler shuffles documents,
-    so its windows came in order, step after step, without a word. The run says so."""
+    so its windows came in order, step after step, without a word. The run says so. So it
+    does of top-1 softmax routing after the top-k (allowed for released checkpoints): every
+    weight 1, the routers trained by the balance losses alone."""
     data = tmp_path / "data"
     data.mkdir()
     for i in range(6):
         (data / f"doc{i}.txt").write_text(f"document {i}: " + "some text. " * 20)
     (data / "all.txt").write_text("a corpus someone concatenated. " * 400)
-    run = _train(tmp_path / "run", f"--data={data}", "--steps=3", "--eval_batches=0")
+    top1 = ["--model.k=1", "--model.score=softmax", "--model.expert_bias=false"]  # the softmax over the one chosen logit: weight 1
+    run = _train(tmp_path / "run", f"--data={data}", "--steps=3", "--eval_batches=0", *top1)
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"^note: one document \(all\.txt\) holds 9\d% of the training tokens of the data \(\d+ steps of them\): the "
                      r"sampler shuffles documents", run.stdout, flags=re.M), run.stdout
+    assert ("note: top-1 softmax routing takes the softmax over the one chosen logit: every weight is 1, and the routers learn from the "
+            "balance losses alone (--seq_aux_coeff=0.01, --z_coeff=0.001); --model.pre_softmax=true weighs each token by its softmax over "
+            "all the experts (Switch Transformer's)") in run.stdout, run.stdout
     (data / "all.txt").unlink()
-    run = _train(tmp_path / "run2", f"--data={data}", "--steps=3", "--eval_batches=0")
-    assert run.returncode == 0 and "note: one document" not in run.stdout, run.stdout
+    run = _train(tmp_path / "run2", f"--data={data}", "--steps=3", "--eval_batches=0", *top1, "--model.pre_softmax=true")
+    assert run.returncode == 0 and "note: one document" not in run.stdout and "note: top-1" not in run.stdout, run.stdout
     # TINY's warmup of 3 steps is the whole run: step n trains at the rate after n - 1 steps, so none at --lr
     assert "note: the warmup (3 steps, --warmup) lasts the whole run (--steps=3): no step trains at --lr=0.01 (the last at 0.006667)" in run.stdout
     assert {r["step"]: r["lr"] for r in _records(tmp_path / "run2")}[3] == pytest.approx(0.01 * 2 / 3)
