@@ -1004,11 +1004,15 @@ def _run(argv: list[str], cleanups: list) -> None:
         if warmup >= cfg.steps and cfg.lr > cfg.init_lr:  # step n trains at the rate after n - 1 steps: the last below the peak
             print(f"note: the warmup ({warmup} steps, --warmup) lasts the whole run (--steps={cfg.steps}): no step trains at --lr={cfg.lr:g} "
                   f"(the last at {cfg.lr * lr_at(cfg.steps - 1, **schedule):.4g})", flush=True)
-        if model_cfg.score == "softmax" and model_cfg.k == 1 and not model_cfg.pre_softmax:  # allowed for released top-1 checkpoints
+        softmax_top1 = model_cfg.score == "softmax" and not model_cfg.pre_softmax
+        if model_cfg.k == 1 and (softmax_top1 or (model_cfg.score == "sqrtsoftplus" and model_cfg.route_normalize)):  # released checkpoints'
             balance = [f"--{name}={getattr(cfg, name):g}" for name in ("seq_aux_coeff", "aux_coeff", "z_coeff") if getattr(cfg, name)]
-            print("note: top-1 softmax routing takes the softmax over the one chosen logit: every weight is 1, and the routers learn "
+            how = ("top-1 softmax routing takes the softmax over the one chosen logit" if softmax_top1 else
+                   "top-1 sqrtsoftplus routing renormalises the one chosen score (--model.route_normalize)")
+            print(f"note: {how}: every weight is 1, and the routers learn "
                   + (f"from the balance losses alone ({', '.join(balance)})" if balance else "nothing (no balance loss is on)")
-                  + "; --model.pre_softmax=true weighs each token by its softmax over all the experts (Switch Transformer's)", flush=True)
+                  + ("; --model.pre_softmax=true weighs each token by its softmax over all the experts (Switch Transformer's)" if softmax_top1
+                     else "; --model.route_normalize=false keeps sqrt(softplus(logit)) as the weight (Megatron's)"), flush=True)
         planned = tokens_seen  # the tokens the run reads up to --steps, by the batch schedule
         pairs = parse_batch_schedule(cfg.batch_schedule)
         for done in range(step, cfg.steps):

@@ -708,6 +708,12 @@ def test_a_document_that_holds_much_of_the_data_is_named(tmp_path):
     (data / "all.txt").unlink()
     run = _train(tmp_path / "run2", f"--data={data}", "--steps=3", "--eval_batches=0", *top1, "--model.pre_softmax=true")
     assert run.returncode == 0 and "note: one document" not in run.stdout and "note: top-1" not in run.stdout, run.stdout
+    # DeepSeek-V4's sqrt(softplus) renormalised over one expert: weight 1 too; without the balance losses nothing trains the routers
+    run3 = _train(tmp_path / "run3", f"--data={data}", "--steps=1", "--warmup=0", "--eval_batches=0", "--model.k=1", "--model.score=sqrtsoftplus",
+                  "--model.expert_bias=false", "--seq_aux_coeff=0", "--z_coeff=0")
+    assert run3.returncode == 0 and ("note: top-1 sqrtsoftplus routing renormalises the one chosen score (--model.route_normalize): every "
+                                     "weight is 1, and the routers learn nothing (no balance loss is on); --model.route_normalize=false "
+                                     "keeps sqrt(softplus(logit)) as the weight (Megatron's)") in run3.stdout, run3.stdout + run3.stderr[-2000:]
     # TINY's warmup of 3 steps is the whole run: step n trains at the rate after n - 1 steps, so none at --lr
     assert "note: the warmup (3 steps, --warmup) lasts the whole run (--steps=3): no step trains at --lr=0.01 (the last at 0.006667)" in run.stdout
     assert {r["step"]: r["lr"] for r in _records(tmp_path / "run2")}[3] == pytest.approx(0.01 * 2 / 3)
