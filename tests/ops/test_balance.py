@@ -488,6 +488,8 @@ def test_update_expert_bias_bad_inputs():
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(2, 2), torch.ones(4), 1e-3)
     _raises(r"counts: expected a tensor of shape \(4,\)", F.update_expert_bias, torch.zeros(4), torch.ones(3), 1e-3)
     _raises("rate: expected a finite number >= 0", F.update_expert_bias, torch.zeros(4), torch.ones(4), -1.0)
+    _raises("rate: expected a finite number >= 0", F.update_expert_bias, torch.zeros(4), torch.ones(4), math.inf)
+    assert F.update_expert_bias(torch.ones(4), torch.tensor([1, 5, 2, 0]), 0.0).tolist() == [1.0] * 4  # a rate of 0 is a rate: no step
     _raises("counts: expected int or float counts, got torch.bool", F.update_expert_bias, torch.zeros(3), torch.tensor([True, False, True]), 1e-3)
 
 

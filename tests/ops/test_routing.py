@@ -298,6 +298,7 @@ def test_hash_route_bad_inputs():
     _raises("table: expected at least one row", F.hash_route, x, ids, table[:0])
     _raises(r"table: expected \[V, k\] with k in 1\.\.6 .*got k = 7", F.hash_route, x, ids, torch.zeros(3, 7, dtype=torch.long))
     _raises(r"token_ids: expected ids in 0\.\.2 \(the table's rows\), got -1", F.hash_route, x, torch.tensor([0, -1, 2, 1]), table)
+    _raises(r"token_ids: expected ids in 0\.\.2 \(the table's rows\), got 3", F.hash_route, x, torch.tensor([0, 3, 2, 1]), table)  # one past
     _raises(r"table: expected experts in 0\.\.5, got 6", F.hash_route, x, ids, torch.tensor([[0, 1], [2, 6], [4, 5]]))
     _raises("table: expected k distinct experts in each row", F.hash_route, x, ids, torch.tensor([[0, 1], [3, 3], [4, 5]]))
     # a bad row no token reads is not read
@@ -685,6 +686,10 @@ def test_released_model_routing_options(impl, device):
     _, e_megatron = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, impl=impl)
     _, e_top2 = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, group_score_topk=2, impl=impl)
     assert e_megatron.tolist() == [[0]] and e_top2.tolist() == [[3]]
+
+    # every chosen sigmoid underflowing to 0 (logits of -200): weights 0 / (0 + 1e-20) = 0, in the kernel as in torch, not NaN
+    w, _ = F.route(torch.full((2, 4), -200.0, device=device), 2, score="sigmoid", impl=impl)
+    assert torch.equal(w, torch.zeros_like(w))
 
     # SPEC 1's worked case: E=8, G=4, g=2, k=2, sigmoid scores [.9,.1 | .6,.5 | .7,.0 | .2,.2]: top-1 group scores keep
     # groups 0 and 2 -> {0, 4}; top-2 scores (1.0, 1.1, .7, .4) keep groups 0 and 1 -> {0, 2}

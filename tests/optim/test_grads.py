@@ -136,6 +136,10 @@ def test_one_process_skips_empty_gradients(norm_type, foreach, impl):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
     only_empty = clip_grad_norm([empty], 1.0, norm_type=norm_type, foreach=foreach, impl=impl)
     assert only_empty.dtype == torch.float32 and float(only_empty) == 0.0
+    # bf16 gradients (normed in float32) beside an empty one: skipped too (torch's inf norm raised on it)
+    a, e = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(0, 4, dtype=torch.bfloat16))
+    a.grad, e.grad = torch.tensor([3.0, -4.0, 1.0], dtype=torch.bfloat16), torch.zeros(0, 4, dtype=torch.bfloat16)
+    assert float(grad_norm([a, e], norm_type=norm_type, foreach=foreach)) == pytest.approx(4.0 if norm_type == INF else math.sqrt(26), rel=1e-6)
 
 
 def _mixed_tensors():
@@ -277,10 +281,11 @@ def test_a_copy_also_in_parameters_is_scaled_once_and_not_counted():
     assert float(param_norm([a, b], copies=[a])) == 0.0 and int(zero_grad_count([a, b], copies=[a])) == 1
 
 
-def test_clip_grad_norm_below_max_leaves_grads():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_clip_grad_norm_below_max_leaves_grads(impl):
     params = _params_with_grads()
     grads = [p.grad.clone() for p in params[:2]]
-    norm = clip_grad_norm(iter(params), 1e3)  # a generator works too
+    norm = clip_grad_norm(iter(params), 1e3, impl=impl)  # a generator works too; the kernel's factor is clamped to 1 as torch's
     assert float(norm) < 1e3
     for p, g in zip(params, grads):
         assert torch.equal(p.grad, g)
@@ -312,6 +317,8 @@ def test_bad_arguments_name_the_argument():
         _raises("parameters: expected a tensor or an iterable", fn, 3, *args)
         _raises(r"parameters\[1\]: expected a tensor", fn, [params[0], "w"], *args)
         _raises("group: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str", fn, params, *args, group="dp")
+    for foreach in (None, False):  # torch's own clip (foreach=False) reads no impl: checked all the same
+        _raises("impl: expected one of", clip_grad_norm, params, 1.0, impl="trition", foreach=foreach)
     assert params[0].grad is not None and not torch.equal(params[0].grad, torch.zeros(3, 4))  # nothing clipped
 
 
@@ -498,11 +505,24 @@ def test_zero_grad_restarts_and_optimizer_step():
     before = model.router.weight.detach().clone()
     opt.step()  # bf16 grads on bf16 params: a torch optimizer accepts them
     assert not torch.equal(model.router.weight, before)
-    opt.zero_grad()
-    acc.zero_grad()
+    acc.zero_grad()  # its own .grad too, before (or without) the optimizer's zero_grad
     assert acc.main_grads == {} and model.router.weight.grad is None
+    opt.zero_grad()
     model(*batches[2]).backward()
     assert torch.equal(acc.main_grads["router.weight"], batches[2][0].float()[None])  # not summed with the old
+
+
+def test_copy_to_grad_of_a_float32_parameter_is_a_copy():
+    """A float32 parameter (fmoe keeps routers in float32): its .grad is a copy of the float32
+    sum, so clipping .grad in place leaves main_grads as they were."""
+    model = torch.nn.Linear(3, 2)
+    acc = Float32GradAccumulator(model, patterns=("weight",))
+    model(torch.ones(1, 3)).sum().backward()
+    acc.copy_to_grad()
+    before = acc.main_grads["weight"].clone()
+    assert torch.equal(model.weight.grad, before) and model.weight.grad.data_ptr() != acc.main_grads["weight"].data_ptr()
+    clip_grad_norm(model.parameters(), 0.1)
+    assert torch.equal(acc.main_grads["weight"], before) and not torch.equal(model.weight.grad, before)
 
 
 def test_remove_restores_plain_accumulation():
