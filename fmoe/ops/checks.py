@@ -70,12 +70,13 @@ def check_distinct_memory(name: str, x: torch.Tensor, why: str) -> None:
     ones); other layouts are checked element by element."""
     if x.numel() == 0:
         return
-    dims = sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1)
-    span = 0
-    for stride, size in dims:
-        if stride <= span:
+    dims = [(stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1]
+    # each dim's stride past the span of those below it in stride order (ties by position): no
+    # sort, which torch.compile cannot trace over symbolic strides (dynamic=True)
+    for i, (stride, _) in enumerate(dims):
+        below = [(s, n) for j, (s, n) in enumerate(dims) if s < stride or (s == stride and j < i)]
+        if stride <= sum((n - 1) * s for s, n in below):
             break
-        span += (size - 1) * stride
     else:
         return
     overlap = any(stride == 0 for stride, _ in dims)

@@ -516,10 +516,11 @@ def _(x, cos, sin, interleaved, inverse):
     return None
 
 
-# torch before 2.13 compiles an autograd.Function that marks a view of its input dirty (q and
-# k inside a qkv buffer) into wrong gradients (seen with torch 2.11, aot_eager): there, under
-# torch.compile, the in-place path rotates a copy and writes it back instead.
-_DIRTY_VIEW_COMPILES_WRONG = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+# torch.compile makes wrong gradients of an autograd.Function that marks its input dirty: before
+# 2.13 where x is a view (q and k inside a qkv buffer; torch 2.11, aot_eager), on 2.13 where x is
+# a non-leaf input of the compiled region (made before it: the rotation's backward skipped, the
+# gradient passed through unrotated). Under torch.compile the in-place path rotates a copy and
+# writes it back (functional to the compiler, which may write it in place again).
 
 
 class _RopeInPlace(torch.autograd.Function):
@@ -613,7 +614,7 @@ def apply_rope(
     if use_triton(impl, x, cos, sin):
         if not inplace:
             return _rope(x, cos, sin, interleaved, False)
-        if grad_mode and _DIRTY_VIEW_COMPILES_WRONG and torch.compiler.is_compiling():
+        if grad_mode and torch.compiler.is_compiling():
             return x.copy_(_rope(x, cos, sin, interleaved, False))
         if grad_mode:
             return _RopeInPlace.apply(x, cos, sin, interleaved)

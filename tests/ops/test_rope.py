@@ -1,6 +1,5 @@
 """RoPE and YaRN: the SPEC's worked numbers, a complex-number rotation, kernels vs reference."""
 
-import importlib
 import math
 
 import pytest
@@ -21,8 +20,6 @@ from fmoe.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale,
 )
-
-rope_mod = importlib.import_module("fmoe.ops.rope")  # the module itself (fmoe.ops may export a function of its name)
 
 
 def _cos_sin(T, R, device="cpu", base=10000.0, offset=0):
@@ -285,6 +282,43 @@ def test_distinct_memory_is_checked_element_by_element_past_the_simple_views():
     check_distinct_memory("y", torch.empty(0).as_strided((0, 4), (0, 0)), "why")  # no element: nothing shared
     with pytest.raises(ValueError, match=r"y: why: elements of y share memory \(strides \(1, 1\), shape \(3, 2\)"):
         check_distinct_memory("y", torch.empty(8).as_strided((3, 2), (1, 1)), "why")
+    # every small layout: refused exactly where two elements share an offset (equal strides, a stride 0, overlaps)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        shape = torch.randint(1, 4, (3,), generator=gen).tolist()
+        strides = torch.randint(0, 7, (3,), generator=gen).tolist()
+        y = torch.empty(200).as_strided(shape, strides)
+        offsets = [i * strides[0] + j * strides[1] + k * strides[2] for i in range(shape[0]) for j in range(shape[1]) for k in range(shape[2])]
+        if len(set(offsets)) == len(offsets):
+            check_distinct_memory("y", y, "why")
+        else:
+            with pytest.raises(ValueError, match="y: why: elements of y share memory"):
+                check_distinct_memory("y", y, "why")
+
+
+def test_inplace_compiles_with_dynamic_token_counts():
+    """apply_rope(inplace=True) under torch.compile(fullgraph=True, dynamic=True): the check
+    that x's elements own their memory sorted symbolic strides, which the compiler cannot
+    trace. One graph over three token counts, values and gradients equal to eager's."""
+    from torch._dynamo.utils import counters
+
+    def step(x, cos, sin):
+        return apply_rope(x * 1.0, cos, sin, inplace=True, impl="torch")
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    for T in (5, 9, 14):
+        cos, sin = _cos_sin(T, 8)
+        x = torch.randn(T, 2, 8)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = compiled(a, cos, sin), step(b, cos, sin)
+        torch.testing.assert_close(ya, yb)
+        grad_y = torch.randn_like(ya)
+        ya.backward(grad_y)
+        yb.backward(grad_y)
+        torch.testing.assert_close(a.grad, b.grad)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -545,13 +579,11 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.fmoe.rope.default, (strided, cos, sin, False, False))
 
 
-@pytest.mark.parametrize("dirty_view_compiles_wrong", [False, True], ids=["function", "copy-back"])
-def test_compiles_without_graph_breaks(device, dirty_view_compiles_wrong, monkeypatch):
-    """Out of place and in place (the in-place path's autograd.Function, or, where torch
-    compiles it wrong (before 2.13), the rotated copy written back), against eager."""
-    if rope_mod._DIRTY_VIEW_COMPILES_WRONG and not dirty_view_compiles_wrong:
-        pytest.skip(f"torch {torch.__version__} compiles the in-place Function into wrong gradients; the copy-back case runs")
-    monkeypatch.setattr(rope_mod, "_DIRTY_VIEW_COMPILES_WRONG", dirty_view_compiles_wrong)
+def test_compiles_without_graph_breaks(device):
+    """Out of place and in place (under the compiler the rotated copy written back: torch
+    compiles the in-place autograd.Function into wrong gradients), against eager: x a
+    non-leaf made inside the compiled region, and one made before it (its gradient came
+    back unrotated)."""
 
     def step(q, k, cos, sin):
         q = apply_rope(q, cos, sin, impl="triton")
@@ -580,6 +612,18 @@ def test_compiles_without_graph_breaks(device, dirty_view_compiles_wrong, monkey
     out_c.backward()
     out_e.backward()
     torch.testing.assert_close(a.grad, b.grad)
+
+    def rotate_inplace(qk, cos, sin):  # qk made before the compiled region: a non-leaf input of it
+        return apply_rope(qk[:, :4], cos, sin, inplace=True, impl="triton")
+
+    grad_y = torch.randn(T, 4, 16, device=device)
+    grads = []
+    for fn in (torch.compile(rotate_inplace, backend="aot_eager", fullgraph=True), rotate_inplace):
+        leaf = qk.clone().requires_grad_()
+        (fn(leaf * 1.0, cos, sin) * grad_y).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert not torch.allclose(grads[1][:, :4], grad_y)  # the rotation's backward counts
 
 
 # ---------------------------------------------------------------------------- GPU, real shape
