@@ -212,11 +212,12 @@ def _check_fill(fill, dtype: torch.dtype, name: str = "fill", of: str = "x") -> 
         raise ValueError(f"{name}: expected a number (int, float or bool), got {fill!r}")
     if dtype == torch.bool or dtype.is_complex:
         return
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float fill is symbolic
     if dtype.is_floating_point:
-        fits = not math.isfinite(fill) or abs(fill) <= torch.finfo(dtype).max
+        fits = not -math.inf < fill < math.inf or abs(fill) <= torch.finfo(dtype).max  # nan and +-inf fit a float
     else:
         info = torch.iinfo(dtype)
-        fits = math.isfinite(fill) and info.min <= fill <= info.max
+        fits = info.min <= fill <= info.max  # False for nan and +-inf
     if not fits:
         raise ValueError(f"{name}: {fill!r} does not fit {of}'s dtype {dtype}")
 

@@ -254,7 +254,8 @@ def test_bad_inputs():
     for s in (1.0, True, None):
         with pytest.raises(ValueError, match="shift: expected an int"):
             roll_packed(x, cu, shift=s)
-    for f, xx in (("0", x), (None, x), (torch.tensor(0), x), (1e20, x.int()), (float("nan"), x), (300, x.to(torch.uint8)), (1e39, x.float())):
+    for f, xx in (("0", x), (None, x), (torch.tensor(0), x), (1e20, x.int()), (float("nan"), x), (float("-inf"), x.int()), (300, x.to(torch.uint8)),
+                  (1e39, x.float())):
         with pytest.raises(ValueError, match="fill"):
             roll_packed(xx, cu, fill=f)
     with pytest.raises(ValueError, match="impl"):
@@ -270,6 +271,19 @@ def test_bad_inputs():
     for bad in (2**40, "x"):  # the labels' fill is named as mtp_targets calls it
         with pytest.raises(ValueError, match="^ignore_index: .*(fit tokens's dtype torch.int32|expected a number)"):
             mtp_targets(x.int(), cu, 1, ignore_index=bad)
+
+
+def test_roll_packed_compiles_with_dynamic_sizes_and_a_fill_argument():
+    """roll_packed itself under torch.compile(fullgraph=True, dynamic=True), fill passed in or
+    left at its default: the fill's range check read math.isfinite of a symbolic float and
+    broke the graph. Equal to eager for three token counts; nan and inf fill a float tensor."""
+    compiled = torch.compile(roll_packed, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for T, fill in ((10, 0.0), (13, 2.5), (17, float("nan")), (19, float("-inf"))):
+        cu = torch.tensor([0, 3, 3, T - 2, T])
+        x = torch.randn(T, 3)
+        torch.testing.assert_close(compiled(x, cu, shift=-1, fill=fill), roll_packed(x, cu, shift=-1, fill=fill), equal_nan=True)
+        assert torch.equal(compiled(x, cu, shift=-1), roll_packed(x, cu, shift=-1))
 
 
 def test_opcheck(device):
