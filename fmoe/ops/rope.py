@@ -586,7 +586,8 @@ def apply_rope(
         inplace: overwrite x and return it (q and k rotated inside a fused qkv buffer
             without a copy); x's elements must not share memory (no expand). Differentiable like torch's in-place ops: x may be a
             non-leaf that requires grad (the backward needs only cos/sin); a leaf that
-            requires grad is refused while grad mode is on.
+            requires grad is refused while grad mode is on. Under torch.compile with grad
+            the rotation is written back over x (x.copy_), which the compiler may fuse.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:
