@@ -385,8 +385,26 @@ def test_bad_inputs():
     _raises("y_perm: expected a 2-D", unpermute, x_perm.flatten(), plan)
     _raises("y_perm: expected dtype", unpermute, x_perm.double(), plan)
     _raises(r"weights: expected the plan's shape \(4, 2\)", unpermute, x_perm, plan, weights.T)
+    _raises(r"weights: expected the plan's shape \(4, 2\), got \(4, 1\)", unpermute, x_perm, plan, weights[:, :1])  # not broadcast
     _raises("weights: expected dtype", unpermute, x_perm, plan, weights.long())
     _raises("impl: expected one of", unpermute, x_perm, plan, impl="fast")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_unweighted_unpermute_saves_no_rows(impl):
+    """y_perm is needed only for the weights' gradient: unweighted, unpermute saves no [R, H]
+    tensor for the backward (it would outlive the forward for nothing)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    y_perm, plan = permute(x, torch.tensor(EXPERTS), 4, impl=impl)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+        unpermute(y_perm, plan, None, impl=impl).sum().backward()
+    assert tuple(y_perm.shape) not in saved, saved
+    if impl == "triton":  # the kernel's backward reads y_perm for the weights' gradient: the hook sees it saved
+        weighted = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (weighted.append(tuple(t.shape)), t)[1], lambda t: t):
+            unpermute(y_perm, plan, torch.rand(4, 2), impl=impl)
+        assert tuple(y_perm.shape) in weighted, weighted
 
 
 # ---------------------------------------------------------------------------- registration

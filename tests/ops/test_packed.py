@@ -255,7 +255,7 @@ def test_bad_inputs():
         with pytest.raises(ValueError, match="shift: expected an int"):
             roll_packed(x, cu, shift=s)
     for f, xx in (("0", x), (None, x), (torch.tensor(0), x), (1e20, x.int()), (float("nan"), x), (float("-inf"), x.int()), (300, x.to(torch.uint8)),
-                  (1e39, x.float())):
+                  (1e39, x.float()), (128, x.to(torch.int8)), (-129, x.to(torch.int8)), (10**400, x.float()), (10**400, x.long())):
         with pytest.raises(ValueError, match="fill"):
             roll_packed(xx, cu, fill=f)
     with pytest.raises(ValueError, match="impl"):

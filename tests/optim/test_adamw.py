@@ -547,6 +547,28 @@ def _stepped(shape=(2, 3), steps=1, **kwargs):
     return w, opt
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_gradient_elements_stay_finite(impl, device):
+    """An element whose gradient has been 0 (an expert row no token reached) has m = v = 0:
+    its update m / (sqrt(v) / bc + eps) is 0, not NaN; torch's bits elsewhere."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0], device=device))
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad = torch.tensor([0.5, 0.0, -1e-3, 0.0], device=device)
+    q.grad = p.grad.clone()
+    AdamW([p], lr=0.1, impl=impl).step()
+    torch.optim.AdamW([q], lr=0.1, foreach=False).step()
+    assert p.isfinite().all() and p[1] == 2.0 * (1 - 0.1 * 0.01) and p[3] == 4.0 * (1 - 0.1 * 0.01)
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_an_optimizer_pickled_before_state_rounding_keeps_nearest():
+    opt = AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.bfloat16, state_rounding="stochastic")
+    old = {k: v for k, v in opt.__getstate__().items() if k != "state_rounding"}  # a pickle of before the knob
+    restored = AdamW.__new__(AdamW)
+    restored.__setstate__(old)
+    assert restored.state_rounding == "nearest"
+
+
 def test_one_state_dict_loads_twice():
     """torch's loader keeps the saved step tensor, which the steps then advanced in place:
     a second load of the same dict started from the first one's count."""
@@ -572,6 +594,9 @@ def test_load_refuses_a_state_of_another_shape(key):
     with pytest.raises(ValueError, match=rf"^state_dict: expected {key} of parameter 0 to have the parameter's shape \(2, 3\), got \(5, 3\)"):
         fresh.load_state_dict(saved)
     assert not fresh.state and fresh.param_groups[0]["lr"] == 1e-2  # nothing loaded
+    saved["state"][0][key] = torch.zeros(3, 2)  # as many elements, another shape (a transpose)
+    with pytest.raises(ValueError, match=rf"^state_dict: expected {key} of parameter 0 to have the parameter's shape \(2, 3\), got \(3, 2\)"):
+        fresh.load_state_dict(saved)
 
 
 @pytest.mark.parametrize("make, key, value", [

@@ -165,6 +165,9 @@ def test_scale_is_mul_bit_for_bit(impl, factor_dtype):
     for t, e in zip(tensors, expected):
         assert t.dtype == e.dtype and torch.equal(t, e)
     assert not torch.equal(tensors[1], _mixed_tensors()[1])  # it did scale
+    base = torch.arange(1.0, 13.0).view(3, 4)  # a strided view (the foreach fallback): its own elements, none of the rest
+    scale_([base[:, :2]], torch.tensor(10.0, dtype=factor_dtype), impl=impl)
+    assert base.tolist() == [[10.0, 20.0, 3.0, 4.0], [50.0, 60.0, 7.0, 8.0], [90.0, 100.0, 11.0, 12.0]]
 
 
 def test_scale_kernel_over_several_chunks_is_mul(monkeypatch):

@@ -133,6 +133,17 @@ def test_lr_is_a_float_whatever_number_type_the_lrs_came_as(style):
             assert 0 <= lr <= max_lr and (step <= 10 or lr >= min_lr)
 
 
+def test_lr_is_exactly_max_lr_on_the_plateau_and_at_the_warmup_end():
+    """min + c (max - min) rounds away from max_lr at c = 1 (1e-2 with min 1e-3 gave
+    0.010000000000000002); the formula min (1 - c) + max c does not. At n = W every style
+    gives max_lr exactly (inverse_sqrt's decay at W = 190 was one ulp off)."""
+    for max_lr, min_lr in ((1e-2, 1e-3), (0.3, 0.1), (3e-4, 3e-5)):
+        assert lr_at(50, max_lr=max_lr, min_lr=min_lr, total=100, warmup=10, style="wsd", wsd_decay=20) == max_lr
+        for style in ("linear", "cosine", "inverse_sqrt", "wsd", "constant"):
+            for W in (190, 195, 7):
+                assert lr_at(W, max_lr=max_lr, min_lr=min_lr, total=1000, warmup=W, style=style, wsd_decay=10) == max_lr, (style, W)
+
+
 def test_lr_inverse_sqrt_floor():
     kw = dict(max_lr=1.0, min_lr=0.2, total=1000, warmup=10, style="inverse_sqrt")
     assert lr_at(250, **kw) == pytest.approx(0.2)  # sqrt(10 / 250) = 0.2
