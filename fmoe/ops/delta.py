@@ -523,7 +523,9 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
 
     def chunks(x, scale_=1.0):  # [B, T, N, ...] float32 -> [B, N, M, C, ...], padded with zeros
         x = x.float() * scale_ if scale_ != 1.0 else x.float()
-        x = F.pad(x, (0, 0) * (x.ndim - 2) + (0, pad))
+        # torch.cat, not F.pad: under torch.compile(dynamic=True) F.pad's backward of a reshaped
+        # projection (q, k, v made in the compiled region) failed ("view size is not compatible")
+        x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], 1)
         return x.reshape(B, M, C, *x.shape[2:]).movedim(3, 1)
 
     q_BNMCK, k_BNMCK, v_BNMCV = chunks(q, scale), chunks(k), chunks(v)

@@ -335,6 +335,35 @@ def test_the_torch_path_compiles_once_for_every_chunk_count():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
+def test_projections_made_in_the_compiled_region_compile_with_dynamic_sizes():
+    """q, k and v reshaped from projections made inside the compiled region (a block's own),
+    torch.compile(dynamic=True): the chunks' zero padding (F.pad) failed in the backward
+    ("view size is not compatible with input tensor's size and stride"; a lightning
+    attention model could not train; gated_delta_rule's chunks the same). Values and
+    gradients equal eager's for two T."""
+    N, D = 2, 3
+
+    def block(x, W, g, cu):
+        T = x.shape[0]
+        q, k, v = (F.silu(x @ W[i]).reshape(1, T, N, D) for i in range(3))
+        return gated_linear_attention(q, k, v, g, cu, chunk_size=4, scale=1.0, impl="torch", check=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    for T in (12, 17):
+        x0, W0 = torch.randn(T, 5, generator=gen), torch.randn(3, 5, N * D, generator=gen)
+        g = -torch.rand(1, T, N, generator=gen)
+        cu = torch.tensor([0, 4, T])
+        results = []
+        for fn in (compiled, block):
+            x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
+            out = fn(x, W, g, cu)
+            results.append((out.detach(), *torch.autograd.grad(out.square().sum(), (x, W))))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- the states' Triton kernels
 
 
