@@ -516,15 +516,12 @@ def _(x, cos, sin, interleaved, inverse):
     return None
 
 
-# torch.compile makes wrong gradients of an autograd.Function that marks its input dirty: before
-# 2.13 where x is a view (q and k inside a qkv buffer; torch 2.11, aot_eager), on 2.13 where x is
-# a non-leaf input of the compiled region (made before it: the rotation's backward skipped, the
-# gradient passed through unrotated). Under torch.compile the in-place path rotates a copy and
-# writes it back (functional to the compiler, which may write it in place again).
-
-
 class _RopeInPlace(torch.autograd.Function):
-    """Autograd for fmoe::rope_ (torch.library cannot register autograd on a mutating op).
+    """Autograd for fmoe::rope_ (torch.library cannot register autograd on a mutating op), in
+    eager only: torch.compile makes wrong gradients of a Function that marks its input dirty
+    (before 2.13 where x is a view, q and k inside a qkv buffer; on 2.13 where x is a non-leaf
+    input of the compiled region: the rotation's backward skipped), so under the compiler
+    apply_rope rotates a copy and writes it back (which the compiler may do in place again).
 
     The backward needs only cos/sin, never x, so overwriting x is safe; mark_dirty moves
     x's autograd history past the rotation, as for torch's own in-place ops.
@@ -615,7 +612,7 @@ def apply_rope(
     if use_triton(impl, x, cos, sin):
         if not inplace:
             return _rope(x, cos, sin, interleaved, False)
-        if grad_mode and torch.compiler.is_compiling():
+        if grad_mode and torch.compiler.is_compiling():  # not _RopeInPlace: its docstring
             return x.copy_(_rope(x, cos, sin, interleaved, False))
         if grad_mode:
             return _RopeInPlace.apply(x, cos, sin, interleaved)
