@@ -473,6 +473,11 @@ def test_vocabularies():
         Blend([texts, narrow], ["text", "ids"], [1, 1])
     with pytest.raises(ValueError, match="data: source 'text' holds byte tokens"):
         Blend([narrow, texts], ["ids", "text"], [1, 1])
+    # two sources with an EOS each (bytes read in code) of two vocabularies: the same id means two things too
+    other_bytes = TokenDataset(texts.data, texts.starts, texts.lengths, None, vocab_size=BYTE_VOCAB_SIZE + 2, eos=texts.eos)
+    with pytest.raises(ValueError, match="data: source 'text' holds byte tokens .vocab_size 258. and data: source 'wide' "
+                                         "token ids of vocab_size 260"):
+        Blend([texts, other_bytes], ["text", "wide"], [1, 1])
 
 
 def test_blend_constructor_errors():

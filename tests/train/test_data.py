@@ -109,6 +109,10 @@ def test_token_dataset_refuses_spans_outside_its_data_and_an_eos_outside_its_voc
         ds.document(0)
     with pytest.raises(ValueError, match=r"vocab_size: document 0 holds token 900"):
         Sampler(ds, 3, seed=0, shuffle=False).next_batch()
+    edge = TokenDataset(np.array([9, 10], dtype=np.uint16), np.array([0, 1]), np.array([1, 1]), None, vocab_size=10, eos=None)
+    assert edge.document(0).tolist() == [9]  # the largest id, and the first one past it
+    with pytest.raises(ValueError, match=r"vocab_size: document 1 holds token 10, not in 0..9"):
+        edge.document(1)
 
 
 def test_a_document_span_outside_the_document_is_refused_by_name():
@@ -388,6 +392,11 @@ def test_validation_batches_fixed():
     v1, v2 = val.validation_batches(8, 3, mtp_depth=1), val.validation_batches(8, 3, mtp_depth=1)
     assert len(v1) == 3 and all(_same(a, b) for a, b in zip(v1, v2))
     assert torch.equal(torch.cat([b["input_ids"] for b in v1]), torch.cat([val.document(i) for i in range(len(val))])[:24])
+    # every token of the dataset in batches, and one token more: refused up front, saying what it takes
+    n = val.n_tokens
+    assert sum(b["input_ids"].numel() for b in val.validation_batches(n, 1)) == n
+    with pytest.raises(ValueError, match=f"n_batches: 1 batches of {n + 1} tokens need {n + 1} tokens, the dataset has {n}$"):
+        val.validation_batches(n + 1, 1)
 
 
 def test_unnamed_split():
@@ -559,6 +568,9 @@ def test_errors(tmp_path):
     f.write_bytes(np.array([1, 0, 12], dtype=np.uint16).tobytes())
     with pytest.raises(ValueError, match="vocab_size: token 12 at index 2"):
         load_token_file(f, separator=0, vocab_size=10)
+    with pytest.raises(ValueError, match="vocab_size: token 12 at index 2 of .* is not below vocab_size 12"):  # the first id past it
+        load_token_file(f, separator=0, vocab_size=12)
+    assert load_token_file(f, separator=0, vocab_size=13).document(1).tolist() == [12]
     with pytest.raises(ValueError, match="separator"):
         load_token_file(f, separator=10, vocab_size=10)
     with pytest.raises(ValueError, match="dtype: expected"):
@@ -613,6 +625,8 @@ def test_a_text_file_given_as_a_token_file_is_named_text(tmp_path):
     state = sampler.state_dict()
     with pytest.raises(ValueError, match="seed is 0, this sampler has 1"):
         Sampler(ds, 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="^state: shuffle is True, this sampler has False$"):  # another order of the documents
+        Sampler(ds, 8, seed=0, shuffle=False).load_state_dict(state)
     with pytest.raises(ValueError, match="n_documents"):
         Sampler(_synthetic(n_docs=4), 8, seed=0).load_state_dict(state)
     other = _synthetic(seed=1)  # as many documents, of other lengths: other data
