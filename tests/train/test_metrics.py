@@ -206,6 +206,10 @@ def test_to_host_one_transfer_per_device():
     assert reads.count == 1  # one .tolist() for every tensor
     assert out == {"loss": 2.5, "counts": [[1, 2], [3, 4]], "norm": [0.5], "step": 7, "v": [0.0, 1.0, 2.0]}
     assert isinstance(out["counts"][0][0], int) and isinstance(out["loss"], float)
+    # more dims than two nest as tolist() does; integers exact to 2**53 and float64 values exact (they travel as float64)
+    cube = torch.arange(24).reshape(2, 3, 4)
+    exact = {"cube": cube, "count": torch.tensor(2**53 - 1), "x": torch.tensor(0.1, dtype=torch.float64), "empty": torch.zeros(0, 3)}
+    assert M.to_host(exact) == {"cube": cube.tolist(), "count": 2**53 - 1, "x": 0.1, "empty": []}
     with pytest.raises(ValueError, match="values"):
         M.to_host([1.0])
 
@@ -275,6 +279,9 @@ def test_progress_line():
     line = M.format_progress(4, 10, {"loss": torch.tensor(float("nan")), "grad_norm": float("inf"), "tokens_per_s": float("nan"), "eta_seconds": math.inf})
     assert line == "[########............] step 4/10 loss nan gnorm inf"
     assert M.format_progress(100, 100, {}) == "[####################] step 100/100"
+    assert M.format_progress(150, 100, {}) == "[####################] step 150/100"  # past the end (--stop_at): a full bar
+    for seconds, shown in ((3600, "1h00m"), (3 * 3600 + 5 * 60 + 29, "3h05m"), (50 * 3600 + 59 * 60, "50h59m"), (3599, "59m59s")):
+        assert M.format_progress(1, 2, {"eta_seconds": seconds}) == f"[##########..........] step 1/2 eta {shown}", seconds
     # layer_loads' tensors (as MetricsLogger.log takes them), a read-back record's None, a NaN anywhere: the worst finite layer
     loads = M.layer_loads(torch.tensor([[10, 2, 6, 6], [8, 8, 8, 8]]), 32)
     for record in (loads, M.to_host(loads), {"load_max_over_mean": [None, 5 / 3]}, {"load_max_over_mean": [float("nan"), 5 / 3]},
@@ -1482,6 +1489,8 @@ def test_layer_loads_checks_a_lists_counts():
     # more slots routed than requested (T passed for T k): dropped_fraction -1.0 before, without a word
     with pytest.raises(ValueError, match=r"^counts: layer 1's counts sum to 8 slots, more than slots=4 \(the slots requested: tokens times k\)$"):
         M.layer_loads([[1, 3], [5, 3]], 4)
+    with pytest.raises(ValueError, match=r"^counts: layer 0's counts sum to 101 slots, more than slots=100 "):  # one slot over
+        M.layer_loads([[50, 51]], 100)
     assert M.to_host(M.layer_loads([[1, 2]], 4))["dropped_fraction"] == [0.25]
     assert M.to_host(M.layer_loads([[0.1] * 10], 1))["dropped_fraction"][0] == pytest.approx(0.0, abs=1e-6)  # fractions summing to it
 
