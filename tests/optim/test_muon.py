@@ -109,6 +109,31 @@ def test_step_matches_hand_computation(nesterov, scale):
         torch.testing.assert_close(opt.state[W]["momentum_buffer"], bufs["W"])
 
 
+def test_newton_schulz_is_the_quintic_iteration_with_its_coefficients():
+    """Each step X <- a X + (b A + c A^2) X, A = X X^T, from X = G / (||G||_F + eps), on the wide side
+    (a tall G's transpose): (a, b, c) = (3.4445, -4.7750, 2.0315), modded-nanogpt's, computed here in float64."""
+    g = torch.Generator().manual_seed(5)
+    for shape in ((4, 7), (7, 4), (2, 5, 5)):
+        G = torch.randn(*shape, generator=g, dtype=torch.float64)
+        for steps in (1, 3):
+            X = G.mT if shape[-2] > shape[-1] else G
+            X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+            for _ in range(steps):
+                A = X @ X.mT
+                X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+            want = X.mT if shape[-2] > shape[-1] else X
+            torch.testing.assert_close(newton_schulz(G, steps=steps, dtype=torch.float64), want, rtol=1e-12, atol=1e-12)
+
+
+def test_step_takes_the_group_s_ns_steps_and_ns_dtype():
+    grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))
+    for steps, dtype in ((1, torch.float32), (2, torch.float64), (5, torch.bfloat16)):
+        W = torch.zeros(5, 3, requires_grad=True)
+        W.grad = grad.clone()
+        Muon([W], lr=0.1, momentum=0.0, ns_steps=steps, ns_dtype=dtype).step()
+        torch.testing.assert_close(W.detach(), -0.1 * 0.2 * 5 ** 0.5 * newton_schulz(grad, steps=steps, dtype=dtype), rtol=0, atol=0)
+
+
 def _run(nesterov, grads):
     W = torch.zeros(6, 4, requires_grad=True)
     opt = Muon([W], lr=0.1, momentum=0.9, nesterov=nesterov, ns_dtype=torch.float32)
