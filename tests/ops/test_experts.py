@@ -373,6 +373,14 @@ def test_capped_swiglu_triton_matches_its_formula(dtype, device):
         assert int(capped.sum()) > 10 and (lim < 1 or int(((gate > lim) & ~capped).sum()) >= 1)
         assert lim > 0.3 or int((act < -lim).sum()) > 10
         assert not torch.allclose(swiglu(gate, up, act="silu_cap", impl="torch", **glu), swiglu(gate, up, impl="torch", **glu))
+    # at the limit exactly the gradient passes, as torch.clamp's does at its bound (the limit read off each path's own activation)
+    for impl in ("torch", "triton"):
+        gate4 = torch.tensor([0.7, 1.3, 2.0, 3.0], device=device)
+        limit_at = float(swiglu(gate4, torch.ones_like(gate4), act="silu_cap", limit=100.0, impl=impl)[2])  # silu(2.0)
+        g4 = gate4.clone().requires_grad_()
+        swiglu(g4, torch.ones_like(gate4), act="silu_cap", limit=limit_at, impl=impl).sum().backward()
+        assert g4.grad[2].item() == pytest.approx(torch.sigmoid(gate4[2]).item() * (1 + 2.0 * (1 - torch.sigmoid(gate4[2]).item())), rel=1e-5)
+        assert g4.grad[3] == 0 and (g4.grad[:2] != 0).all(), impl
     # min(silu(3), 2) * clamp(5, -2, 2) = 2 * 2; the gate-clamped form gives silu(2) * 2
     assert swiglu(torch.tensor([3.0]), torch.tensor([5.0]), limit=2.0, act="silu_cap").item() == 4.0
     assert swiglu(torch.tensor([0.5]), torch.tensor([1.0]), limit=2.0, act="silu_cap").item() == pytest.approx(0.5 / (1 + math.exp(-0.5)))
@@ -576,6 +584,8 @@ def test_bad_inputs():
     _raises(r"b_gate: expected shape \[2, 8\] \(\[E, F\] for b_gate / b_up, \[E, H\] for b_down\), got torch.Size\(\[2, 16\]\)",
             grouped_mlp, x, wg, wu, wd, off, b_gate=torch.zeros(2, 16))
     _raises(r"b_down: expected shape \[2, 16\]", grouped_mlp, x, wg, wu, wd, off, b_down=torch.zeros(2, 8))
+    _raises(r"b_up: expected shape \[2, 8\]", grouped_mlp, x, wg, wu, wd, off, b_up=torch.zeros(8, 2))  # as many elements, transposed
+    _raises(r"b_down: expected shape \[2, 16\]", grouped_mlp, x, wg, wu, wd, off, b_down=torch.zeros(16, 2))
     _raises("b_up: dtype bfloat16 differs from x_perm's float32", grouped_mlp, x, wg, wu, wd, off, b_up=torch.zeros(2, 8, dtype=torch.bfloat16))
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))

@@ -390,6 +390,8 @@ def test_bad_inputs():
     # inplace_grad writes each row's gradient over its logits: rows sharing memory (an expand) would overwrite each other's
     _raises(r"logits: inplace_grad writes each row's gradient over it: rows must not share memory \(row stride >= 10\), got strides \(0, 1\)",
             cross_entropy, x[:1].expand(4, 10), y, inplace_grad=True, impl="triton")
+    _raises(r"logits: inplace_grad writes each row's gradient over it: rows must not share memory \(row stride >= 10\), got strides \(5, 1\)",
+            cross_entropy, torch.randn(25).as_strided((4, 10), (5, 1)), y, inplace_grad=True, impl="triton")  # rows overlapping by half
     _raises("reduction: expected one of", cross_entropy, x, y, reduction="none")
     _raises("impl: expected one of", cross_entropy, x, y, impl="cuda")
     _raises("softcap: expected None or a positive finite number, got 0", cross_entropy, x, y, softcap=0)
@@ -462,8 +464,18 @@ def test_linear_with_a_bias_matches_the_unfused_logits_plus_bias(dtype, device):
     _close_norm(db, grads_ref[2], rel)
     without = linear_cross_entropy(h, w, labels, impl="triton")
     assert (without - expected).abs() > 1e-2  # the bias counts
+    if dtype == torch.bfloat16:  # the bias gradient summed over the chunks in float32 and rounded once: the same for any chunking
+        g = torch.Generator().manual_seed(8)
+        h2, labels2 = torch.randn(256, H, generator=g).to(device, dtype), torch.randint(0, V, (256,), generator=g).to(device)
+        by_chunks = []
+        for rows in (256, 8):
+            b2 = b.detach().clone().requires_grad_()
+            linear_cross_entropy(h2, w.detach(), labels2, bias=b2, chunk_rows=rows, impl="triton", reduction="sum").backward()
+            by_chunks.append(b2.grad)
+        assert torch.equal(*by_chunks) and by_chunks[0].abs().max() > 10  # sums of hundreds of rows (bf16 per chunk: 1.5e-2 apart)
     _raises(r"bias: expected None or \[50\] \(one per row of weight\)", linear_cross_entropy, h, w, labels, bias=b[:-1])
     _raises(r"bias: expected None or \[50\]", linear_cross_entropy, h, w, labels, bias=b.double())
+    _raises(r"bias: expected None or \[50\]", linear_cross_entropy, h, w, labels, bias=b[:, None])  # as many elements: per row if N = V
 
 
 @pytest.mark.parametrize("needs", [(True, False), (False, True), (False, False)], ids=["h", "weight", "neither"])

@@ -346,6 +346,8 @@ def test_rope_inv_freq_and_cos_sin_values():
     assert inv.dtype == torch.float32 and inv.shape == (64,)
     expected = torch.tensor([500000.0 ** (-2 * j / 128) for j in range(64)], dtype=torch.float64)
     torch.testing.assert_close(inv, expected.float(), rtol=0, atol=0)  # rounded once from float64
+    wide = torch.tensor([1e6 ** (-2 * j / 96) for j in range(48)], dtype=torch.float64)  # where float32 maths rounds 27 of them apart
+    assert torch.equal(rope_inv_freq(96, base=1e6), wide.float())
     positions = torch.tensor([0, 1, 2, 0, 5])
     cos, sin = rope_cos_sin(positions, torch.tensor([1.0, 0.5]), scale=2.0)
     assert cos.shape == sin.shape == (5, 2) and cos.dtype == sin.dtype == torch.float32
@@ -554,6 +556,13 @@ def test_bad_inputs():
     _raises("cos: expected dtype", apply_rope, x, cos.double(), sin)
     c16, s16 = _cos_sin(5, 16)
     _raises(r"cos: rot_dim = 2 \* cos.shape\[-1\] = 16 exceeds head_dim = x.shape\[-1\] = 8", apply_rope, x, c16, s16)
+    for impl in ("torch", "triton"):  # the smallest misfits on each path: one pair past head_dim, one position more than T
+        c10, s10 = _cos_sin(5, 10)
+        _raises(r"cos: rot_dim = 2 \* cos.shape\[-1\] = 10 exceeds head_dim = x.shape\[-1\] = 8", apply_rope, x, c10, s10, impl=impl)
+        c6, s6 = _cos_sin(6, 8)
+        _raises(r"cos: expected \[T, rot_dim/2\] with T = x.shape\[-3\] = 5 and rot_dim/2 >= 1, got shape \(6, 4\)", apply_rope, x, c6, s6,
+                impl=impl)
+    _raises("inv_freq: expected positions' device cpu, got meta", rope_cos_sin, torch.arange(3), rope_inv_freq(4, device="meta"))
     _raises("interleaved: expected a bool", apply_rope, x, cos, sin, interleaved=1)
     _raises("inplace: expected a bool", apply_rope, x, cos, sin, inplace="yes")
     _raises("impl: expected one of", apply_rope, x, cos, sin, impl="cuda")
