@@ -278,6 +278,21 @@ def test_kernels_stay_inside_their_tensors(case):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{case} output {i} ({sorted(set(launched))}): {m}")
 
 
+@pytest.mark.parametrize("offsets", [[2, 4000], [7, 9], [3, -1], [4, 2]])
+def test_expert_kernels_stay_inside_their_tensors_for_offsets_unchecked_on_request(offsets):
+    """check=False (and torch.compile, which skips the host check) hands the grouped GEMMs
+    offsets as given: ones past the rows, negative, or decreasing give wrong rows, never an
+    access outside a tensor, forward and backward."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = _leaf(5, 16, gen=gen), _leaf(2, 16, 8, gen=gen)
+    w_gate, w_up, w_down = _leaf(2, 16, 8, gen=gen), _leaf(2, 16, 8, gen=gen), _leaf(2, 8, 16, gen=gen)
+    off = torch.tensor(offsets, dtype=torch.int32)
+    with guarded_launches() as launched:
+        ops.grouped_matmul(x, w, off, check=False, impl="triton").sum().backward()
+        ops.grouped_mlp(x, w_gate, w_up, w_down, off, check=False, impl="triton").sum().backward()
+    assert {"_grouped_gemm_fwd_kernel", "_grouped_gemm_dw_kernel"} <= set(launched)
+
+
 @pytest.mark.parametrize("dtype,state_dtype,masters", [(torch.float32, torch.float32, False), (torch.bfloat16, torch.bfloat16, True)], ids=str)
 def test_optimizer_kernels_stay_inside_their_tensors(dtype, state_dtype, masters, monkeypatch):
     """AdamW's and scale_'s multi-tensor launches, over tensors of odd sizes (one over two
