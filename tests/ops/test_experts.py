@@ -163,6 +163,30 @@ def test_unowned_rows_are_never_read(torch_gmm, dtype, device):
         assert torch.equal(g[1], torch.zeros_like(g[1]))
 
 
+def test_empty_experts_weight_gradients_are_zero_whatever_grouped_mm_leaves_there(monkeypatch):
+    """torch._grouped_mm leaves the weight-gradient groups of experts with no rows unwritten on
+    some GPUs (pytorch/pytorch#172439); CPU's and Hopper's write zeros. With a _grouped_mm that
+    leaves NaN there, the dW of an expert owning no rows is still all zero, the others' its own."""
+    grouped_mm = torch._grouped_mm
+
+    def unwritten(a, b, offs=None, **kwargs):
+        out = grouped_mm(a, b, offs=offs, **kwargs)
+        if out.ndim == 3:  # a weight gradient [E, K, N]
+            out[offs <= torch.cat([offs.new_zeros(1), offs[:-1]])] = float("nan")
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g)
+    ws = [(torch.randn(3, *shape, generator=g) / 4).requires_grad_() for shape in ((16, 16), (16, 16), (16, 16))]
+    offsets = torch.tensor([4, 4, 8], dtype=torch.int32)  # expert 1 owns no rows
+    want = torch.autograd.grad(grouped_mlp(x, *ws, offsets, impl="torch").sum(), ws)
+    monkeypatch.setattr(torch, "_grouped_mm", unwritten)
+    got = torch.autograd.grad(grouped_mlp(x, *ws, offsets, impl="auto").sum(), ws)
+    for a, b in zip(got, want):
+        assert (a[1] == 0).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("zero", ["kernel", "dispatch"])
 def test_zero_unowned(zero, device):
     """What the torch._grouped_mm paths rely on: rows past offsets[-1] zeroed, and the weight
