@@ -382,6 +382,10 @@ def test_interrupted_save_leaves_previous_usable(tmp_path, monkeypatch):
     # a save of a step whose .tmp a killed run left behind replaces it
     ckpt.save(tmp_path, 20, model=model, optimizers=opts)
     assert ckpt.latest(tmp_path) == tmp_path / "step_000020"
+    (tmp_path / "step_000030.tmp").mkdir()  # what a killed save left there is not in the new checkpoint (a 4-rank run's extra files)
+    (tmp_path / "step_000030.tmp" / "extra_rank3.pt").write_bytes(b"stale")
+    ckpt.save(tmp_path, 30, model=model, optimizers=opts)
+    assert "extra_rank3.pt" not in {p.name for p in (tmp_path / "step_000030").iterdir()} and not (tmp_path / "step_000030.tmp").exists()
 
 
 def test_a_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
@@ -574,6 +578,9 @@ def test_latest_passes_over_a_folder_missing_files_its_metadata_names(tmp_path):
         _assert_identical(want, _tensors(fresh, []))
         shutil.rmtree(bad)
     assert ckpt.incomplete(tmp_path / "step_000009") == "no .metadata"
+    older = ckpt.save(tmp_path, 1, model=model, optimizers=opts).wait()  # an older damaged one is not passed over: only newer ones are
+    (older / "extra_rank0.pt").unlink()
+    assert ckpt.latest(tmp_path) == good and ckpt.passed_over(tmp_path) == []
 
 
 def test_async_save_matches_sync(tmp_path):
