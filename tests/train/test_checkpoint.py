@@ -902,6 +902,9 @@ def test_parameters_without_state_load_without_state(tmp_path):
     ckpt.load(tmp_path / "step_000002", model=resumed, optimizers=[resumed_opt])
     assert {id(p) for p in resumed_opt.state} == {id(p) for p in resumed["used"].parameters()}
     _assert_identical(_tensors(model, [opt]), _tensors(resumed, [resumed_opt]))
+    compiled, compiled_opt = _used_and_unused()  # under torch.compile's wrapper (its parameters' names hold _orig_mod) alike
+    ckpt.load(tmp_path / "step_000002", model=torch.compile(compiled), optimizers=[compiled_opt])
+    assert {id(p) for p in compiled_opt.state} == {id(p) for p in compiled["used"].parameters()}
     runs = []
     for m, o in ((model, opt), (resumed, resumed_opt)):
         torch.manual_seed(7)
