@@ -145,6 +145,11 @@ def test_dtype_choice(src, tmp_path, tokenizer_path):
         index = prepare(words, out, tokenizer=full, progress=False, **kw)
         assert index["dtype"] == "uint16" and index["vocab_size"] == 65_536 and out.stat().st_size == 2 * index["tokens"] == 2 * 4
         assert load_corpus(out).document(0).tolist() == [1, 65000, 5, 65_535]  # the separator, the top id
+    # one id more (65537): uint32 by default, uint16 refused
+    over = _word_tokenizer(tmp_path / "over.json", (1 << 16) + 1)
+    assert prepare(words, tmp_path / "o.bin", tokenizer=over, progress=False)["dtype"] == "uint32"
+    with pytest.raises(ValueError, match="dtype: uint16 holds ids up to 65535, the tokenizer has 65537"):
+        prepare(words, tmp_path / "o16.bin", tokenizer=over, dtype="uint16", progress=False)
 
 
 def test_cli(src, tmp_path, tokenizer_path):
