@@ -177,7 +177,7 @@ def test_empty_experts_weight_gradients_are_zero_whatever_grouped_mm_leaves_ther
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 16, generator=g)
-    ws = [(torch.randn(3, *shape, generator=g) / 4).requires_grad_() for shape in ((16, 16), (16, 16), (16, 16))]
+    ws = [(torch.randn(3, 16, 16, generator=g) / 4).requires_grad_() for _ in range(3)]  # w_gate, w_up [E, H, F], w_down [E, F, H]
     offsets = torch.tensor([4, 4, 8], dtype=torch.int32)  # expert 1 owns no rows
     want = torch.autograd.grad(grouped_mlp(x, *ws, offsets, impl="torch").sum(), ws)
     monkeypatch.setattr(torch, "_grouped_mm", unwritten)
