@@ -40,6 +40,9 @@ def test_worked_example():
         torch.testing.assert_close(h.flatten(), torch.tensor([3.0]))
         y = selective_scan(u[:, :2], ones[:, :2], A, ones[:, :2], ones[:, :2], initial_state=torch.full((1, 1, 1), 8.0), impl=impl)
         torch.testing.assert_close(y.flatten(), torch.tensor([6.0, 7.0]))
+        # two one-token documents (T = 2): the second starts from zero, not from the first's state
+        y = selective_scan(u[:, :2], ones[:, :2], A, ones[:, :2], ones[:, :2], torch.tensor([0, 1, 2]), impl=impl)
+        torch.testing.assert_close(y.flatten(), torch.tensor([2.0, 4.0]))
 
 
 @pytest.mark.parametrize("B,T,C,N,packed", [

@@ -153,6 +153,10 @@ def test_probabilities_of_the_slots(T, N, D, v_dim, S, J, device):
     assert float(p[index < 0].abs().max()) == 0.0 and not bool(has[1])
     with pytest.raises(ValueError, match=r"lse: expected sparse_attention's float32 \[%d, %d\]" % (T, N)):
         sparse_attention_probs(q, kv, index, lse[:, :1])
+    with pytest.raises(ValueError, match=r"lse: expected sparse_attention's float32 \[%d, %d\], got torch.float64" % (T, N)):
+        sparse_attention_probs(q, kv, index, lse.double())
+    with pytest.raises(ValueError, match=r"index: expected keys in 0 .. S-1 = %d or -1" % (kv.shape[0] - 1)):  # one past the keys
+        sparse_attention_probs(q, kv, torch.full_like(index, kv.shape[0]), lse)
     with pytest.raises(ValueError, match=r"kv: expected \[S, %d\] \(q's D\)" % D):  # sparse_attention's checks
         sparse_attention_probs(q, kv[:, :-1], index, lse)
 
@@ -218,6 +222,9 @@ def test_bad_inputs():
         (dict(index=index.float()), "index: expected dtype int32 or int64"),
         (dict(index=index[:3]), r"index: expected \[4, J\] \(q's T\)"),
         (dict(index=index + 7), r"index: expected keys in 0 .. S-1 = 5 or -1 \(an empty slot\), got values in"),
+        (dict(index=torch.full_like(index, -2)), r"index: expected keys in 0 .. S-1 = 5 or -1 \(an empty slot\), got values in -2 .. -2"),
+        (dict(index=torch.full_like(index, 6)), r"index: expected keys in 0 .. S-1 = 5 or -1 \(an empty slot\), got values in 6 .. 6"),
+        (dict(kv=kv.bfloat16()), r"kv: expected \[S, 8\] \(q's D\) in torch.float32 on cpu, got \[6, 8\] torch.bfloat16"),
         (dict(v_dim=9), "v_dim: expected an int in 1 .. D = 8"),
         (dict(scale=0.0), "scale: expected a positive number"),
         (dict(impl="cuda"), "impl: expected one of"),
@@ -352,6 +359,7 @@ def test_indexer_scores_bad_inputs():
         (dict(w=w.long()), "w: expected dtype"),
         (dict(k=k[:, :5]), r"k: expected \[S, 8\] \(q's D\) in torch.float32"),
         (dict(k=k.double()), "k: expected dtype float32"),
+        (dict(k=k.bfloat16()), r"k: expected \[S, 8\] \(q's D\) in torch.float32 on cpu, got \[6, 8\] torch.bfloat16"),
         (dict(scale=-1.0), "scale: expected a positive number"),
         (dict(impl="cuda"), "impl: expected one of"),
     ]
