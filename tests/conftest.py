@@ -71,6 +71,29 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def op_shapes():
+    """A recorder of the ops run while it is active: `with op_shapes() as rec:`, then
+    rec.shapes() (every tensor any op returned, its shape, in order) or rec.shapes(op, ...)
+    (those of the ops named: torch.ops.aten.mm.default, ...). Shapes only: works on meta tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpShapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []  # (op, shape)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [(func, tuple(o.shape)) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+            return out
+
+        def shapes(self, *ops):
+            return [shape for func, shape in self.seen if not ops or func in ops]
+
+    return OpShapes
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -2351,23 +2351,6 @@ def test_deepseek_v4_attention_on_the_sparse_kernel_is_the_reference(kind, monke
     assert slots == [(17, 5 + entries)]
 
 
-def _op_shapes_mode():
-    """A TorchDispatchMode class recording the shape of every op's tensor outputs (.seen)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpShapes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.seen += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
-            return out
-
-    return OpShapes
-
-
 @pytest.mark.parametrize("layout", ["tokens", "split", "ring"])
 def test_a_window_s_keys_from_its_rule_are_the_dense_mask_s(layout):
     """A sliding window's keys per query found from its rule (MaskRows) alone, in O(T W) (fmoe.layers._window_slots, the
@@ -2405,7 +2388,7 @@ def test_a_window_s_keys_from_its_rule_are_the_dense_mask_s(layout):
 
 
 @pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"])
-def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind):
+def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind, op_shapes):
     """A context built for DeepSeek-V4's layers where the sparse kernel runs (impl "triton"; CUDA's "auto") holds the
     masks' rules (MaskRows), and the layer, forward and backward, makes no tensor of a query per key ([..., T, keys]
     or [..., T, keys + entries]): the window's keys come from the rule, the entries' from their own (the context and the
@@ -2419,17 +2402,17 @@ def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind):
     for impl in ("torch", "triton"):
         run = dataclasses.replace(cfg, impl=impl, index_loss=kind == "compressed_sparse_attention")
         x = torch.randn(T, H, requires_grad=True)
-        with _op_shapes_mode()() as rec:
+        with op_shapes() as rec:
             ctx = _ctx(cu, run)
             y, stats = attention(x, params, run, ctx)
             (y.square().sum() + (stats["index_loss"] if "index_loss" in stats.keys() else 0)).backward()
         if impl == "triton":
             assert isinstance(ctx.mask, MaskRows) and isinstance(ctx.local_mask, MaskRows)
-        found[impl] = [s for s in rec.seen if len(s) >= 2 and s[-2] == T and s[-1] in dense_widths]
+        found[impl] = [s for s in rec.shapes() if len(s) >= 2 and s[-2] == T and s[-1] in dense_widths]
     assert found["torch"] and not found["triton"], found
 
 
-def test_the_reference_with_sinks_reads_the_mask_s_rule_a_block_at_a_time(monkeypatch):
+def test_the_reference_with_sinks_reads_the_mask_s_rule_a_block_at_a_time(monkeypatch, op_shapes):
     """A layer with sinks that no sparse kernel takes (here DeepSeek-V4's attention without its window, as its MTP
     block's) in a context holding the mask's rule (MaskRows: impl "triton", CUDA's "auto"): the reference attends over
     blocks of 3 queries, each making its own rows of the mask, with the output and gradients of the dense mask's
@@ -2443,12 +2426,12 @@ def test_the_reference_with_sinks_reads_the_mask_s_rule_a_block_at_a_time(monkey
     runs = {}
     for impl in ("torch", "triton"):
         run = dataclasses.replace(cfg, window=None, impl=impl)
-        with _op_shapes_mode()() as rec:
+        with op_shapes() as rec:
             ctx = _ctx(cu, run)
             y, _ = attention(x, params, run, ctx)
             grads = torch.autograd.grad((y * up).sum(), [x, *params.values()])
         assert isinstance(ctx.mask, MaskRows) == (impl == "triton")
-        runs[impl] = (y, *grads, [s for s in rec.seen if s[-2:] == (T, T)])
+        runs[impl] = (y, *grads, [s for s in rec.shapes() if s[-2:] == (T, T)])
     for name, a, b in zip(["y", "x", *params], runs["torch"][:-1], runs["triton"][:-1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
     assert runs["torch"][-1] and not runs["triton"][-1], (runs["torch"][-1], runs["triton"][-1])
