@@ -3,15 +3,18 @@
 after a training step, and on every rank the name of a parameter one rank corrupted (an
 added 1e-3, one flipped low bit) or of an expert_bias buffer; and fmoe.train.metrics'
 memory_plan on FSDP2 ranks, whose per-rank bytes add up to one process's, and its
-EnergyMeter agreed over the ranks. One spawn runs
+EnergyMeter agreed over the ranks; and the rules beyond the model (a tied tensor named
+once, integer buffers not compared, ranks outside a tensor's mesh, meshes that do not
+divide the group, Partial placements refused). One spawn runs
 every distributed check; the one-process checks run here."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fmoe.parallel import bits_hash, replica_mismatches
-from tests.parallel.dist import run_distributed
+from tests.parallel.dist import counting_calls, run_distributed
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
             n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1, impl="torch")
@@ -117,6 +120,55 @@ def _world4(rank, world_size):
     fsdp = _model(MEMORY, dict(dp_shard=4, ep=2))
     out["fsdp_memory"] = memory_plan(fsdp, AdamW(fsdp.parameters(), state_dtype=torch.bfloat16, impl="torch"))
     out["energy"] = _energy(rank)
+    out["edges"] = _edges(rank)
+    return out
+
+
+def _refused(fn):
+    """fn()'s result, or its ValueError's message."""
+    try:
+        return fn()
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def _edges(rank):
+    """replica_mismatches beyond the reference model, on 4 ranks: a tensor tied to two
+    modules, one rank's copy corrupted, beside an integer buffer every rank keeps its own; a
+    parameter replicated on a mesh of ranks 0 and 1 alone (ranks 2 and 3 hold none of it),
+    before and after rank 1 corrupts its copy; a mesh of 3 ranks in a group of 4, a mesh of
+    4 in a group of 2, and a Partial placement: each refused on every rank, before any
+    collective."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    out = {}
+    a, b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+    b.weight = a.weight
+    tied = nn.Sequential(a, b)
+    tied.register_buffer("calls", torch.tensor([rank]))
+    with torch.no_grad():
+        a.weight.fill_(0.5)
+        a.weight[0, 0] += 1e-3 * (rank == 1)
+    out["tied"] = replica_mismatches(tied)
+
+    half = nn.Module()
+    half.w = nn.Parameter(distribute_tensor(torch.ones(4), DeviceMesh("cpu", [0, 1]), [Replicate()]))
+    out["outside"] = [replica_mismatches(half)]
+    if rank == 1:
+        with torch.no_grad():
+            half.w.to_local()[2] += 1e-3
+    out["outside"].append(replica_mismatches(half))
+
+    world = init_device_mesh("cpu", (4,))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    three, wider, partial = nn.Module(), nn.Module(), nn.Module()
+    three.w = nn.Parameter(distribute_tensor(torch.ones(3), DeviceMesh("cpu", [0, 1, 2]), [Replicate()]))
+    wider.w = nn.Parameter(distribute_tensor(torch.ones(4), world, [Replicate()]))
+    partial.w = nn.Parameter(DTensor.from_local(torch.ones(2), world, [Partial()]))
+    out["three"] = _refused(lambda: replica_mismatches(three))
+    out["wider"] = _refused(lambda: replica_mismatches(wider, group=pairs[rank // 2]))
+    out["partial"] = _refused(lambda: replica_mismatches(partial))
     return out
 
 
@@ -226,13 +278,36 @@ def test_energy_is_every_ranks_or_none(world4):
         assert e["one_lacks"] == ((False, "NVML error: Not Supported", None) if rank == 2 else (False, "1 of 4 ranks cannot read it", None)), rank
 
 
-def test_one_process_and_bad_arguments():
-    """No process group: [] and no collective. Argument checks come first."""
-    assert not dist.is_initialized()
+def test_replica_mismatches_beyond_the_model(world4):
+    """_edges' cases: the tied tensor named once (by its first name), the integer buffer
+    never; ranks outside a tensor's mesh compare nothing (their empty shards are no copy),
+    and the two ranks inside still do; the misfit meshes and the Partial placement refused
+    by name on every rank."""
+    for rank, r in enumerate(world4):
+        e = r["edges"]
+        assert e["tied"] == ["0.weight"], rank
+        assert e["outside"] == [[], ["w"]], rank
+        assert e["three"] == "ValueError: group: w's mesh has 3 ranks, which does not divide the 4 ranks of the group", rank
+        assert e["wider"] == "ValueError: group: w's mesh has 4 ranks, which does not divide the 2 ranks of the group", rank
+        assert e["partial"].startswith("ValueError: modules: w has a Partial placement"), rank
+
+
+def test_one_process_and_bad_arguments(one_rank_mesh):
+    """No process group, or a group of one rank: [] and no collective. Argument checks
+    come first."""
     model = torch.nn.Linear(3, 2)
-    assert replica_mismatches(model) == [] and replica_mismatches([model, torch.nn.LayerNorm(2)]) == []
-    with pytest.raises(ValueError, match="max_names: expected an int >= 1"):
-        replica_mismatches(model, max_names=0)
+    with counting_calls("all_gather") as calls:
+        assert replica_mismatches(model, group=one_rank_mesh) == []
+    assert calls == []
+    dist.destroy_process_group()
+    try:
+        assert not dist.is_initialized()
+        assert replica_mismatches(model) == [] and replica_mismatches([model, torch.nn.LayerNorm(2)]) == []
+    finally:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # for the fixture's teardown
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="max_names: expected an int >= 1"):
+            replica_mismatches(model, max_names=bad)
     with pytest.raises(ValueError, match=r"modules\[1\]: expected an nn.Module"):
         replica_mismatches([model, "x"])
     with pytest.raises(ValueError, match="modules: expected an nn.Module or an iterable"):
@@ -259,3 +334,49 @@ def test_bits_hash_tells_single_bit_flips_apart():
     assert torch.equal(bits_hash(x.view(2, 3).t()), bits_hash(x.view(2, 3).t().contiguous()))  # layout-free
     with pytest.raises(ValueError, match="t: expected a tensor"):
         bits_hash([1.0])
+
+
+def _formula(x):
+    """The module docstring's hash in Python integers: sum_i w_i x_i mod 2^64, x_i the
+    element's bits sign-extended, w_i = (i * 0x9E3779B97F4A7C15 + c) | 1, as a signed int64."""
+    from fmoe.parallel import health
+
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    total = 0
+    for i, bits in enumerate(x.reshape(-1).view(ints).tolist()):
+        total += (((i * 0x9E3779B97F4A7C15 + health._OFFSET) % 2**64) | 1) * bits
+    total %= 2**64
+    return total - 2**64 if total >= 2**63 else total
+
+
+def test_bits_hash_is_the_formula_chunk_by_chunk(monkeypatch):
+    """bits_hash equals the docstring's sum (negative elements sign-extended), whatever the
+    chunk the elements are hashed in (positions count from the tensor's start, not the
+    chunk's: 3 elements a chunk here, 4M in use)."""
+    from fmoe.parallel import health
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = torch.randn(10, generator=g).to(dtype)
+        whole = bits_hash(x)
+        assert int(whole) == _formula(x), dtype
+        monkeypatch.setattr(health, "_CHUNK", 3)
+        assert torch.equal(bits_hash(x), whole), dtype
+        monkeypatch.undo()
+
+
+def test_bits_hash_of_complex_and_distributed_tensors(one_rank_mesh):
+    """A complex tensor hashes as its real and imaginary parts (complex128's 16-byte
+    elements included: a flip of either part tells); a DTensor hashes its local shard."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for dtype in (torch.complex64, torch.complex128):
+        z = torch.randn(5, dtype=dtype)
+        assert torch.equal(bits_hash(z), bits_hash(torch.view_as_real(z)))
+        for part in (0, 1):
+            y = z.clone()
+            torch.view_as_real(y)[3, part] += 1
+            assert not torch.equal(bits_hash(y), bits_hash(z)), (dtype, part)
+    x = torch.randn(4, 3)
+    d = distribute_tensor(x, one_rank_mesh, [Replicate()])
+    assert torch.equal(bits_hash(d), bits_hash(x))
