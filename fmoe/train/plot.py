@@ -61,10 +61,6 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _non_finite(values: list) -> int:
-    return sum(not math.isfinite(v) for v in values)
-
-
 def _logged(records: list[dict], keys) -> list[str]:
     """A panel's keys as the records hold them: a `*` key expanded to each logged key it
     matches (by its number), and a series of zeros left out (the loop logs 0 for a balancing
