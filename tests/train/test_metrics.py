@@ -1548,3 +1548,183 @@ def test_logger_takes_int_steps_and_read_metrics_a_file(tmp_path):
     with pytest.raises(ValueError, match=r"^path: expected the path of a metrics.jsonl \(str or os.PathLike\), got NoneType"):
         M.read_metrics(None)
     assert M.read_metrics(str(tmp_path / "none.jsonl")) == []
+
+
+def test_series_leaves_out_values_of_another_kind():
+    """_series keeps numbers and nulls (as NaN); a string, a bool or a list under the key is left out, as said."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": "2.5"}, {"step": 3, "loss": True}, {"step": 4, "loss": [1.0]},
+               {"step": 5, "loss": 1}]
+    assert plot._series(records, "loss") == ([1, 5], [2.0, 1])
+
+
+def test_mtp_panel_takes_the_depths_keys_only():
+    """mtp_*_loss matches a whole key: mtp_1_loss, not a key that merely starts like one."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": 1, "mtp_1_loss": 2.0, "mtp_1_loss_tokens": 40.0, "mtp_2_loss_ema": 3.0}]
+    assert plot._logged(records, ("mtp_*_loss",)) == ["mtp_1_loss"]
+
+
+def test_loss_plot_draws_a_source_that_some_evaluations_lack(tmp_path, monkeypatch):
+    """val_loss_by_source whose sources differ between evaluations (a source added to the blend):
+    each source's line has the evaluations that name it (a KeyError otherwise)."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_draw_panel", lambda ax, series, ylabel: drawn.append((ylabel, dict(series))))
+    records = [{"step": 2, "loss": 3.0, "val_loss": 3.1, "val_loss_by_source": {"code": 3.0, "docs": 3.2}},
+               {"step": 4, "loss": 2.0, "val_loss": 2.1, "val_loss_by_source": {"code": 2.1}}]
+    assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
+    assert drawn[0][1]["val_loss code"] == ([2, 4], [3.0, 2.1]) and drawn[0][1]["val_loss docs"] == ([2], [3.2])
+
+
+def test_a_panel_of_one_series_has_no_legend(tmp_path):
+    """A legend only where a panel draws several lines (its y label names the one)."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, Keeps, figures = _keeping_pyplot()
+    records = [{"step": s, "loss": 3.0 / s, "val_loss": 3.5 / s, "z_loss": 0.1 * s} for s in (1, 2)]
+    assert plot.plot_losses(records, tmp_path / "loss.png", Keeps)
+    legends = {ax.get_ylabel(): ax.get_legend() is not None for ax in figures[0].axes}
+    assert legends == {"loss / val_loss": True, "z_loss": False}
+    pyplot.close("all")
+
+
+def test_expert_load_ignores_empty_per_layer_lists():
+    """A dense model logs load_max_over_mean = [] and tokens_per_expert = [] (no MoE layer): nothing to draw."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": s, "loss": 3.0, "load_max_over_mean": [], "tokens_per_expert": []} for s in (1, 2)]
+    assert plot._load_matrix(records) is None
+    assert not plot.plot_expert_load(records, "unused.png", plot._pyplot())
+
+
+def test_expert_load_refuses_negative_counts():
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    with pytest.raises(ValueError, match=r"^records: tokens_per_expert at step 3: expected a list of per-layer lists of expert counts "
+                                         r"\(numbers >= 0\), got \[\[1, -2\]\]"):
+        plot._load_matrix([{"step": 3, "tokens_per_expert": [[1, -2]]}])
+    with pytest.raises(ValueError, match=r"^records: tokens_by_source at step 1: expected a token count \(a number >= 0\) per source"):
+        plot._source_shares([{"step": 1, "tokens_by_source": {"code": -5, "docs": 10}}])
+
+
+def test_expert_load_of_a_layer_that_routed_no_token():
+    """A layer whose counts are all 0 (no token reached it at that step) draws shares of 0, not a ZeroDivisionError."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    steps, mom, per_layer = plot._load_matrix([{"step": 1, "tokens_per_expert": [[0, 0], [1, 3]]}])
+    assert per_layer == [[[0.0], [0.0]], [[0.5], [1.5]]] and mom == [[0.0], [1.5]]
+
+
+def test_expert_load_draws_the_logged_load_where_there_is_one():
+    """The logged load_max_over_mean is drawn as logged (null: a gap); only a record without it takes max(share)."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": 1, "load_max_over_mean": [1.25, None], "tokens_per_expert": [[1, 3], [2, 2]]},
+               {"step": 2, "tokens_per_expert": [[1, 3], [2, 2]]}]
+    steps, mom, _ = plot._load_matrix(records)
+    assert mom[0] == [1.25, 1.5] and math.isnan(mom[1][0]) and mom[1][1] == 1.0
+
+
+def test_expert_load_without_counts_at_every_step_draws_the_load_alone(tmp_path):
+    """tokens_per_expert logged at some steps only (a resumed run that turned it on): the max/mean heatmap alone."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": 1, "load_max_over_mean": [1.5]}, {"step": 2, "tokens_per_expert": [[1, 3]]}]
+    steps, mom, per_layer = plot._load_matrix(records)
+    assert steps == [1, 2] and mom == [[1.5, 1.5]] and per_layer is None
+    pyplot, Keeps, figures = _keeping_pyplot()
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    assert [ax.get_title() for ax in figures[0].axes if ax.get_title()] == ["expert load max/mean per MoE layer"]
+    pyplot.close("all")
+
+
+def test_expert_load_heatmap_cells_are_centred_on_their_step_and_row(tmp_path):
+    """One logged step: its column spans step +- 0.5; each row r spans r +- 0.5, under its y tick."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, Keeps, figures = _keeping_pyplot()
+    records = [{"step": 5, "tokens_per_expert": [[1, 3, 2], [2, 2, 2]]}]
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    load, share = [ax for ax in figures[0].axes if ax.get_title()][:2]
+    coords = load.collections[0].get_coordinates()  # [rows + 1, columns + 1, (x, y)]
+    assert list(coords[0, :, 0]) == [4.5, 5.5] and list(coords[:, 0, 1]) == [-0.5, 0.5, 1.5]
+    assert list(load.get_yticks()) == [0, 1]
+    assert list(share.collections[0].get_coordinates()[:, 0, 1]) == [-0.5, 0.5, 1.5, 2.5]
+    pyplot.close("all")
+
+
+def test_expert_load_names_the_layers_by_the_last_record_that_logs_them(tmp_path):
+    """moe_layers from the latest record that carries it (an older record may lack or predate the names)."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, Keeps, figures = _keeping_pyplot()
+    records = [{"step": 1, "load_max_over_mean": [1.5], "moe_layers": ["layer 0"]},
+               {"step": 2, "load_max_over_mean": [1.2], "moe_layers": ["layer_1"]}]
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    assert [t.get_text() for t in figures[0].axes[0].get_yticklabels()] == ["layer_1"]
+    pyplot.close("all")
+
+
+def test_expert_share_heatmap_is_centred_on_uniform(tmp_path):
+    """The shares' colour scale is fixed at [0, 2]: 1 (uniform) is the middle colour whatever the data's range."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, Keeps, figures = _keeping_pyplot()
+    records = [{"step": 1, "tokens_per_expert": [[1, 2, 3]]}]  # shares 0.5, 1, 1.5
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    share = [ax for ax in figures[0].axes if ax.get_title()][1]
+    assert share.collections[0].get_clim() == (0.0, 2.0)
+    pyplot.close("all")
+
+
+def test_source_shares_skip_steps_without_tokens_and_sources_a_step_lacks():
+    """A step whose sources counted no token is left out (no share of 0 / 0); a source a step lacks has share 0 there."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": 1, "tokens_by_source": {"code": 0, "docs": 0}}, {"step": 2, "tokens_by_source": {"code": 30, "docs": 10}},
+               {"step": 3, "tokens_by_source": {"code": 20}}]
+    assert plot._source_shares(records) == {"code": ([2, 3], [0.75, 1.0]), "docs": ([2, 3], [0.25, 0.0])}
+
+
+def test_health_norms_panel_stays_linear_unless_every_finite_value_is_positive(tmp_path):
+    """Log scale only when every finite value is > 0: a zero gradient norm (a frozen step), or no finite value at all
+    (a diverged run's nulls), keeps the panel linear."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, Keeps, figures = _keeping_pyplot()
+    zero = [{"step": s, "grad_norm": 0.0 if s == 1 else 1.0 / s, "param_norm": 40.0} for s in (1, 2, 3)]
+    nulls = [{"step": s, "grad_norm": None, "param_norm": None} for s in (1, 2)]
+    assert plot.plot_health(zero, tmp_path / "health.png", Keeps) and plot.plot_health(nulls, tmp_path / "health.png", Keeps)
+    assert [fig.axes[0].get_yscale() for fig in figures] == ["linear", "linear"]
+    pyplot.close("all")
+
+
+def test_health_panels_take_signals_logged_from_a_later_step_on(tmp_path):
+    """energy_j_per_token (and any signal) first logged after step 1 still gets its panel."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    pyplot, Keeps, figures = _keeping_pyplot()
+    records = [{"step": 1, "grad_norm": 1.0, "param_norm": 40.0},
+               {"step": 2, "grad_norm": 0.5, "param_norm": 40.0, "energy_j_per_token": 0.002}]
+    assert plot.plot_health(records, tmp_path / "health.png", Keeps)
+    assert [ax.get_ylabel() for ax in figures[0].axes] == ["grad_norm / param_norm", "energy_j_per_token"]
+    pyplot.close("all")

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from fmoe.train.profile import StepProfiler, activities, parse_steps, phase
+from fmoe.train import profile as profile_module
+from fmoe.train.profile import StepProfiler, activities, ops_table, parse_steps, phase
 
 
 def test_steps_parse_as_users_type_them():
@@ -160,3 +161,64 @@ def test_bad_arguments_name_themselves(tmp_path):
     assert profiler.prof is None
     with pytest.raises(ValueError, match="name: expected the phase's name"):
         phase(5)
+
+
+def test_the_profiler_refuses_bool_steps(tmp_path):
+    """A bool is an int to isinstance: (True, 2) was taken as steps 1..2."""
+    for bad in ((True, 2), (1, True), [False, 3]):
+        with pytest.raises(ValueError, match=r"steps: expected None or \(START, END\), ints with 1 <= START <= END as parse_steps returns"):
+            StepProfiler(tmp_path, bad)
+
+
+def test_only_cuda_records_the_kernels():
+    """The CUDA activity on a CUDA device only: another accelerator's run records the host's ops."""
+    for device_type in ("cpu", "mps", "xpu", "meta"):
+        assert activities(device_type) == [torch.profiler.ProfilerActivity.CPU], device_type
+    assert activities("cuda") == [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def test_the_ops_table_sorts_by_the_devices_self_time_on_cuda():
+    """On CUDA the rows are by the kernels' self time (the host's would rank launch overheads first)."""
+    class Recorded:  # a profile: the arguments key_averages and table were given
+        def key_averages(self, group_by_input_shape):
+            self.by_shape = group_by_input_shape
+            return self
+
+        def table(self, **kwargs):
+            self.kwargs = kwargs
+            return "table"
+
+    for device_type, sort in (("cuda", "self_device_time_total"), ("cpu", "self_cpu_time_total")):
+        prof = Recorded()
+        assert ops_table(prof, device_type, by_shape=True) == "table"
+        assert prof.kwargs["sort_by"] == sort and prof.kwargs["row_limit"] == -1 and prof.by_shape is True
+
+
+def test_the_ops_table_names_the_loops_phases_in_full(tmp_path):
+    """Names up to 60 characters are not cut: the phase fmoe.forward_backward (21) is a row of its own."""
+    profiler = StepProfiler(tmp_path, (1, 1))
+    profiler.start_step(1)
+    with phase("forward_backward"):
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    ops = profiler.end_step(1)[1].read_text()
+    assert any(line.split()[:1] == ["fmoe.forward_backward"] for line in ops.splitlines()), ops[:2000]
+
+
+def test_a_memory_snapshot_records_the_steps_and_stops_after(tmp_path, monkeypatch):
+    """memory=True (CUDA's allocator, stood in for here): the history starts with the first
+    profiled step, is dumped to memory_rank{r}.pickle after the last, then stops recording,
+    and the snapshot is among the files returned."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append(("record", a, kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: (calls.append(("dump", path)), open(path, "wb").close()))
+    monkeypatch.setattr(profile_module, "activities", lambda device_type: [torch.profiler.ProfilerActivity.CPU])  # no CUDA here
+    profiler = StepProfiler(tmp_path, (2, 2), rank=3, device_type="cuda", memory=True)
+    profiler.start_step(1)
+    assert profiler.end_step(1) == [] and calls == []
+    profiler.start_step(2)
+    assert calls == [("record", (), {"max_entries": 1_000_000})]
+    torch.randn(8, 8) @ torch.randn(8, 8)
+    files = profiler.end_step(2)
+    snapshot = tmp_path / "profile" / "memory_rank3.pickle"
+    assert [f.name for f in files] == ["trace_rank3.json", "ops_rank3.txt", "memory_rank3.pickle"] and files[2] == snapshot
+    assert calls[1:] == [("dump", str(snapshot)), ("record", (), {"enabled": None})]  # recording stopped after the dump

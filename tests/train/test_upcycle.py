@@ -333,3 +333,64 @@ def test_a_refusal_leaves_the_model_as_it_was():
             upcycle_(parts, state, DENSE, seed=5)
         for part, was in zip(parts, before):
             assert all(torch.equal(t, was[n]) for n, t in [*part.named_parameters(), *part.named_buffers()]), message
+
+
+def test_the_router_rows_are_the_models_own_initial_rows():
+    """Virtual group j's g router rows are row j of the router the model was initialised with
+    (init_value(seed, name)): with the same seed, upcycle_ keeps the initialisation's first E / g
+    rows, each repeated g times (an exact start holds for any tied rows, so the function alone
+    does not pin which rows are used)."""
+    cfg = CASES["g2-softmax"]  # g = 2, E = 8
+    moe = Transformer(cfg)
+    moe.reset_parameters(seed=5)
+    before = {n: p.detach().clone() for n, p in moe.named_parameters() if n.endswith("mlp.router")}
+    assert len(before) == 3  # blocks 1, 2 and the MTP block
+    upcycle_(moe, _dense_model().state_dict(), DENSE, seed=5)
+    params = dict(moe.named_parameters())
+    for name, was in before.items():
+        assert torch.equal(params[name], was[: cfg.n_experts // 2].repeat_interleave(2, dim=0)), name
+
+
+def test_a_hashed_blocks_table_with_g1_is_the_initialisations_own():
+    """g = 1: each token id's experts are already whole groups, so the hashed block's table is
+    the one reset_parameters drew with the same seed (the module docstring's promise)."""
+    cfg = _moe(k=2, score="sqrtsoftplus", route_scale=1.5, hash_layers=1)  # copies: g = 1
+    moe = Transformer(cfg)
+    moe.reset_parameters(seed=5)
+    before = {n: b.clone() for n, b in moe.named_buffers() if n.endswith("hash_table")}
+    assert before
+    dense = _dense_model()
+    upcycle_(moe, dense.state_dict(), DENSE, seed=5)
+    for name, b in moe.named_buffers():
+        if name in before:
+            assert torch.equal(b, before[name]), name
+
+
+def test_a_dense_model_without_mtp_upcycles_into_one_with_an_mtp_norm():
+    """A dense model without MTP modules (a Hugging Face one) into an MoE model whose fresh MTP
+    module has its own output norm (mtp_norm=True): nothing of the dense model is copied into
+    the MTP module, so mtp_norm may differ; the trunk is still the dense function."""
+    dense_cfg = dataclasses.replace(DENSE, mtp_depth=0)
+    dense = _dense_model(cfg=dense_cfg)
+    moe = Transformer(_moe(ffn_expert=32, k=4, mtp_norm=True))
+    moe.reset_parameters(seed=5)
+    upcycle_(moe, dense.state_dict(), dense_cfg, seed=5)
+    batch = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]),
+                                   dense.logits(batch["input_ids"], batch["cu_seqlens"]), rtol=1e-5, atol=1e-5)
+
+
+def test_drop_upcycling_rounds_the_channel_count():
+    """round(drop Fe) channels per expert, not int(drop Fe): 1.7 / Fe draws 2 channels afresh,
+    0.7 / Fe one (the check that refuses a drop rounding to none uses round too)."""
+    cfg = CASES["copies"]
+    dense = _dense_model()
+    F = cfg.ffn_expert
+    src = dense.blocks[1].mlp.w_gate
+    for drop, n in ((1.7 / F, 2), (0.7 / F, 1)):
+        moe = Transformer(cfg)
+        moe.reset_parameters(seed=5)
+        upcycle_(moe, dense.state_dict(), DENSE, seed=5, drop=drop)
+        changed = (moe.blocks[1].mlp.experts.w_gate != src).any(1).sum(1)  # [E]: channels drawn afresh per expert
+        assert changed.tolist() == [n] * cfg.n_experts, (drop, changed)
