@@ -27,6 +27,15 @@ def test_sizes_fill_dp_shard_and_fold_experts():
     (4, dict(tp=0), r"tp: expected a positive int, got 0"),
     (4, dict(dp_shard=-2), r"dp_shard: expected a positive int or -1"),
     (4, dict(ep=True), r"ep: expected a positive int, got True"),
+    (0, dict(), r"world_size: expected a positive int, got 0"),
+    (True, dict(), r"world_size: expected a positive int, got True"),
+    (4, dict(pp=0), r"pp: expected a positive int, got 0"),
+    (4, dict(dp_shard=1), r"dp_replicate \* dp_shard \* cp \* tp = 1 does not equal the world size 4"),  # fewer ranks than the world
+    (4, dict(etp=2, has_experts=False), r"ep / etp: expert parallelism \(1 x 2\) needs a model with experts"),
+    # pipeline stages: a stage's ranks (world / pp), not the world's, take the other axes
+    (6, dict(pp=4), r"pp: 4 pipeline stages do not divide the world size 6"),
+    (12, dict(pp=2, tp=4), r"dp_shard=-1: dp_replicate \* cp \* tp = 4 does not divide the 6 ranks of a pipeline stage \(world size 12 / pp 2\)"),
+    (8, dict(pp=2, dp_shard=1), r"pp \* dp_replicate \* dp_shard \* cp \* tp = 2 does not equal the world size 8"),
 ])
 def test_invalid_sizes_say_which_product_does_not_divide_which(world, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -70,6 +79,7 @@ def _views(rank, world):
     cp_tp, pp_tp = build_meshes(cp=2, tp=2), build_meshes(pp=2, tp=2)
     return dict(missing=missing, token_mesh=cp_tp.token_mesh.mesh.tolist(), token_rank=cp_tp.token_mesh.get_local_rank(),
         pp_mesh=pp_tp.pp_mesh.mesh.tolist(), pp_rank=pp_tp.pp_rank, stage_tp=pp_tp.axis("tp").mesh.tolist(),
+        pp_axis=pp_tp.axis("pp").mesh.tolist(),
         tp=meshes.axis("tp").mesh.tolist(), dp=meshes.axis("dp").mesh.tolist(), ep=meshes.axis("ep").mesh.tolist(),
         edp=meshes.axis("edp").mesh.tolist(), etp=meshes.axis("etp").mesh.tolist(), dp_mesh=meshes.dp_mesh.mesh.tolist(),
         group_sizes={a: meshes.group(a).size() for a in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "edp", "ep", "etp")},
@@ -87,6 +97,7 @@ def test_views_over_four_ranks():
         assert r["etp"] == [rank]
         assert r["token_mesh"] == [0, 1, 2, 3] and r["token_rank"] == rank  # cp_rank * tp + tp_rank, cp_rank = rank // 2
         assert r["pp_mesh"] == other and r["pp_rank"] == rank // 2 and r["stage_tp"] == pair  # stage s: ranks 2s, 2s + 1
+        assert r["pp_axis"] == other  # axis("pp") is the pipeline mesh
         assert r["group_sizes"] == dict(dp_replicate=1, dp_shard=2, cp=1, tp=2, dp=2, edp=2, ep=2, etp=1)
         assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
         assert r["ep_size"] == 2
