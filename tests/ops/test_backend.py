@@ -295,3 +295,85 @@ def test_kernels_round_float32_to_bfloat16_to_nearest_even(device, monkeypatch):
         _to_bfloat16_kernel[(1,)](x, cast, stored, N=1024)
         assert cast[1000:1003].tolist() == [1.0, 1.0078125, 1.0]  # cut: 1 + 3 * 2**-8 and 1.00586 one step down
         assert (_bfloat16_bits(cast) != want).sum() > 400
+
+
+
+def test_next_pow2_is_the_smallest_power_of_two_at_least_n():
+    assert [backend.next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 1000, 1024)] == [1, 1, 2, 4, 4, 8, 8, 16, 1024, 1024]
+
+
+def test_interpreter_problem_fills_in_the_missing_version_alone():
+    """One version given, the other the installed one's (not None into the version parser)."""
+    import numpy
+
+    assert interpreter_problem("3.7.1") is None
+    assert interpreter_problem(numpy_version=numpy.__version__) == interpreter_problem()
+    problem = interpreter_problem("3.6.0", None)
+    assert (problem is not None) == (backend._version(numpy.__version__) >= (2, 4))
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    """impl='triton' on CPU tensors without TRITON_INTERPRET=1: a ValueError saying what to set."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"impl='triton' needs CUDA tensors \(or TRITON_INTERPRET=1"):
+        use_triton("triton", torch.zeros(2))
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's patches: CPU runs only (TRITON_INTERPRET=1)")
+def test_interpreter_patches_are_installed_once():
+    """Each patch applied again (a second import path, a test calling it) leaves the interpreter's
+    own function one wrap below: never a patch wrapping a patch."""
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import ScanOps
+
+    for _ in range(2):
+        assert backend.vectorize_interpreter_scans() and backend.share_interpreter_patches()
+        assert backend.skip_unasserted_overflow_checks() and backend.cache_interpreter_dtypes() and backend.round_interpreter_bfloat16()
+    for fn in (ScanOps.generic_scan, interpreter._patch_lang, interpreter.interpreter_semantic.binary_op_sanitize_overflow_impl,
+               interpreter._get_np_dtype, interpreter.InterpreterBuilder.cast_impl):
+        assert fn._fmoe and not getattr(fn.__wrapped__, "_fmoe", False), fn
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's bfloat16 cast: CPU runs only (TRITON_INTERPRET=1)")
+def test_interpreted_bfloat16_cast_keeps_a_nan_whose_payload_is_in_the_low_bits():
+    """float32 NaNs whose payload lies in the 16 bits a bfloat16 drops (0x7F800001: a
+    signalling NaN) stay NaN (quieted), as torch's conversion keeps them, never inf."""
+    bits = torch.tensor([0x7F800001, 0x7F80FFFF, -0x007FFFFF, 0x7FC00000] * 4, dtype=torch.int32)  # the third: 0xFF800001
+    x = bits.view(torch.float32)
+    cast, stored = (torch.empty(16, dtype=torch.bfloat16) for _ in range(2))
+    _to_bfloat16_kernel[(1,)](x, cast, stored, N=16)
+    assert x.to(torch.bfloat16).isnan().all()
+    assert cast.isnan().all() and stored.isnan().all(), (cast, stored)
+
+
+# GPU-only: these three cannot be run on a CPU machine (need CUDA tensors); NOT VERIFIED (no device in this session).
+@pytest.mark.gpu
+def test_dispatch_rule_on_cuda(monkeypatch):
+    """CUDA tensors: 'auto' is Triton, except beside a CPU tensor (every tensor must be on CUDA)
+    and under forward-mode AD (the reference, which it differentiates); 'triton' on CUDA is not
+    refused for the interpreter's problem (the interpreter does not run there)."""
+    from torch.autograd import forward_ad
+
+    x, cpu = torch.zeros(2, device="cuda"), torch.zeros(2)
+    assert use_triton("auto", x) is True and use_triton("auto", x, None) is True
+    assert use_triton("auto", x, cpu) is False and use_triton("auto", cpu, x) is False
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        assert use_triton("auto", dual) is False
+    monkeypatch.setattr(backend, "INTERPRETER_PROBLEM", "impl='triton' on CPU: the interpreter of Triton 3.6.0 cannot ...")
+    assert use_triton("triton", x) is True
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's patches: CPU runs only (TRITON_INTERPRET=1)")
+def test_a_helper_called_outside_a_launch_after_one_is_patched():
+    """share_interpreter_patches: once a launch is done (or failed), a @triton.jit helper called
+    from Python outside any launch patches triton.language for itself as the interpreter does
+    (the finished launch's patches are not taken as still in place)."""
+    import math
+
+    import numpy as np
+
+    _helper_loop_kernel[(1,)](torch.randn(8), torch.empty(8), N=8, STEPS=1, FAIL=False)
+    got = backend.tanh(0.5)
+    got = np.asarray(got.handle.data if hasattr(got, "handle") else got).reshape(-1)[0]
+    assert abs(float(got) - math.tanh(0.5)) < 1e-6

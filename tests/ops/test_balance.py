@@ -621,3 +621,14 @@ def test_gpu_balance_real_shapes():
     (s1.square().sum() + z1).backward()
     (s2.square().sum() + z2).backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1.6e-2, atol=1e-5)
+
+
+
+def test_masks_of_the_right_count_but_another_shape_are_refused():
+    """A [5, 1] or [1, 5] bool mask holds 5 values but is not the [T] mask the ops take (a
+    [T, 1] mask would broadcast against [T, E] scores into a [T, T] selection)."""
+    logits = torch.randn(5, 4)
+    scores, experts = F.aux_scores(logits, 2)
+    for bad in (torch.ones(5, 1, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)):
+        _raises(r"mask: expected None or a bool tensor \[5\]", F.z_loss, logits, mask=bad)
+        _raises(r"mask: expected None or a bool tensor \[5\]", mask_tokens, scores, experts, bad)

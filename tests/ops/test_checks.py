@@ -424,3 +424,48 @@ def test_flags_take_bools_only():
         for bad in ("False", 1, None):
             with pytest.raises(ValueError, match=f"^{name}: expected a bool, got {bad!r}"):
                 call(bad)
+
+
+
+def test_nan_rows_are_counted_and_the_first_is_named():
+    logits = torch.randn(6, 4)
+    logits[4, 1] = logits[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^logits: contains NaN in 2 row\(s\), first at row 2;"):
+        F.route(logits, 2)
+
+
+def test_cu_seqlens_names_its_first_decrease():
+    with pytest.raises(ValueError, match=r"^cu_seqlens: must be non-decreasing, but cu_seqlens\[2\] = 3 < cu_seqlens\[1\] = 5$"):
+        F.positions_from_cu_seqlens(torch.tensor([0, 5, 3, 6, 2, 8]), n_tokens=8)
+
+
+def test_float16_inputs_are_accepted():
+    """float16 is one of the float dtypes the ops take (check_float's message names it): a
+    float16 router routes as its float32 copy does."""
+    logits = torch.randn(5, 8).half()
+    w16, e16 = F.route(logits, 2)
+    w32, e32 = F.route(logits.float(), 2)
+    assert torch.equal(e16, e32)
+    torch.testing.assert_close(w16, w32)
+
+
+def test_cu_seqlens_stepping_back_by_one_is_refused():
+    with pytest.raises(ValueError, match=r"^cu_seqlens: must be non-decreasing, but cu_seqlens\[2\] = 4 < cu_seqlens\[1\] = 5$"):
+        F.positions_from_cu_seqlens(torch.tensor([0, 5, 4, 8]), n_tokens=8)
+
+
+def test_check_path_takes_str_and_path_like():
+    import pathlib
+
+    from fmoe.ops.checks import check_path
+
+    p = pathlib.Path("runs") / "a"
+    assert check_path("out", p) is p and check_path("out", "runs/a") == "runs/a"
+    with pytest.raises(ValueError, match=r"^out: expected a path \(str or os.PathLike\), got int$"):
+        check_path("out", 3)
+
+
+def test_int_arguments_refuse_bools():
+    """True is an int to isinstance: k=True would route one expert without a word."""
+    with pytest.raises(ValueError, match=r"^k: expected an int, got True$"):
+        F.route(torch.randn(2, 4), True)

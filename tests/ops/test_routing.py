@@ -865,3 +865,37 @@ def test_the_kernel_s_padding_rows_hold_no_nan_keys():
         got = F.route(x, k=2, score="softmax", impl="triton")
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_negative_zero_ties_with_zero(impl, device):
+    """-0.0 and +0.0 are one score (sort_desc's tie rule: the lower expert first), in either
+    order; the kernel's int image of -0.0 must not sort below that of +0.0."""
+    for row in ([-0.0, 0.0, -1.0, -1.0], [0.0, -0.0, -1.0, -1.0]):
+        _, e = F.route(torch.tensor([row], device=device), 2, impl=impl)
+        assert e.tolist() == [[0, 1]], (row, e.tolist())
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_negative_scores_one_ulp_apart_keep_their_order(impl, device):
+    """Negative selection scores one float32 step apart (raw logits: softmax after the top-k)
+    are ranked exactly, the larger first, and a group's score (its best, group_score_topk=1) read
+    back from the kernel's int image keeps the same ulp: the group of -1.0 beats that of
+    -1.0000001."""
+    a = torch.tensor(-1.0)
+    b = torch.nextafter(a, torch.tensor(-2.0))  # -1.0000001, one step below
+    _, e = F.route(torch.stack([b, a, b - 1, a - 1])[None].to(device), 2, impl=impl)
+    assert e.tolist() == [[1, 0]]
+    _, e = F.route(torch.stack([b, b - 1, a, a - 1])[None].to(device), 1, n_groups=2, topk_groups=1, group_score_topk=1, impl=impl)
+    assert e.tolist() == [[2]]
+
+
+def test_triton_matches_reference_past_512_experts(device):
+    """E = 600 (a block of 1024 lanes, more than rows_per_program's 512 elements): the kernel
+    still takes at least 2 rows per program (0 rows would launch nothing or divide by zero)."""
+    logits = torch.randn(3, 600, device=device)
+    w_ref, e_ref = F.route(logits, 4, impl="torch")
+    w, e = F.route(logits, 4, impl="triton")
+    assert torch.equal(e, e_ref)
+    torch.testing.assert_close(w, w_ref)

@@ -204,3 +204,20 @@ def test_gpu_offsets_past_int32(B, backward):
             del y, xs
     for got, want in zip(*outs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+
+def test_an_infinite_rate_is_reported_as_inf():
+    """checks.largest keeps +inf (not nan_to_num's default, the largest finite float32): an
+    A holding +inf is reported as inf, not as 3.40282e+38."""
+    u, dt, A, b, c = _inputs(1, 6, 4, 3)
+    A = A.detach().abs()
+    A[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"^A: expected <= 0 \(a positive rate grows the state without bound\), got inf$"):
+        selective_scan(u=u, dt=dt, A=A, b=b, c=c)
+
+
+def test_an_initial_state_on_another_device_is_named():
+    u, dt, A, b, c = _inputs(1, 6, 4, 3)
+    with pytest.raises(ValueError, match=r"^initial_state: expected \[1, 4, 3\] on cpu, got \[1, 4, 3\] on meta$"):
+        selective_scan(u=u, dt=dt, A=A, b=b, c=c, initial_state=torch.zeros(1, 4, 3, device="meta"))
