@@ -315,7 +315,7 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
     """Caller mistakes raise a ValueError naming the argument, on every rank before any
     collective: the group still works afterwards."""
     from fmoe.layers import MoEConfig, moe
-    from fmoe.parallel.expert import ExpertParallel, combine_padded, dispatch, dispatch_padded
+    from fmoe.parallel.expert import ExpertParallel, combine_padded, dispatch, dispatch_padded, split_tokens
     from fmoe.parallel.mesh import build_meshes
 
     fails = []
@@ -353,6 +353,9 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
            lambda: dispatch(x, over, ep_mesh=meshes.axis("ep")), "more rows than x on rank 0")
     negative = torch.tensor([-1, 3, 1, 1, 0, 0, 0, 0])
     expect(r"counts_E: expected row counts >= 0, got \[-1, 3", lambda: dispatch(x, negative, ep_mesh=meshes.axis("ep")), "a negative count")
+    one_negative = negative if rank == 0 else torch.tensor([1, 1, 0, 0, 0, 0, 0, 0])  # rank 1's are fine
+    expect(r"counts_E: expected row counts >= 0" if rank == 0 else r"counts_E: another rank's were refused",
+           lambda: dispatch(x, one_negative, ep_mesh=meshes.axis("ep")), "a negative count on rank 0 only")
     expect(r"x_ECH", lambda: dispatch_padded(torch.zeros(3, 2, H), ep_mesh=meshes.axis("ep")), "3 experts over ep = 2")
     expect(r"x_ECH", lambda: dispatch_padded(torch.zeros(E * 2, H), ep_mesh=meshes.axis("ep")), "a 2-D buffer")
     _, meta = dispatch_padded(torch.zeros(E, 2, H), ep_mesh=meshes.axis("ep"))  # on every rank: a valid meta
@@ -360,6 +363,7 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
 
     tp_meshes = build_meshes(tp=2)
     tp = ExpertParallel(tp_mesh=tp_meshes.tp_mesh)
+    expect(r"^t: expected a number of rows divisible by tp = 2, got shape \(5, 8\)", lambda: split_tokens(x, tp_meshes.tp_mesh), "split_tokens of 5 rows")
     expect(r"^x:", lambda: run(params, cfg, tp), "T % tp")
     expect(r"token_shards", lambda: ExpertParallel(tp_mesh=tp_meshes.tp_mesh, token_shards=2), "token_shards with a tp_mesh")
     expect(r"token_shards", lambda: ExpertParallel(meshes.axis("ep"), token_shards=0), "token_shards = 0")
@@ -585,3 +589,49 @@ def test_permute_padded_matches_permute():
 
     x_ECH, plan_padded = permute_padded(x[:0], routes.experts[:0], n_experts, C)  # no tokens
     assert x_ECH.shape == (n_experts, C, H) and not x_ECH.any() and plan_padded.slot_of_row.eq(-1).all()
+
+
+def test_one_process_refusals():
+    """Without meshes (one process, no collective): dispatch refuses counts of no expert and
+    counts one row past x_perm's; combine a y_local of another row count or a meta not
+    dispatch's; permute_padded experts of fewer rows than x and a negative capacity;
+    dispatch_padded a buffer of no expert; combine_padded a meta not dispatch_padded's."""
+    from fmoe.parallel.expert import combine, combine_padded, dispatch, dispatch_padded, permute_padded
+
+    x = torch.randn(5, H)
+    with pytest.raises(ValueError, match=r"^counts_E: expected E = 0 experts divisible by ep = 1"):
+        dispatch(x, torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^counts_E: they add up to 6 rows, more than x_perm's 5"):
+        dispatch(x, torch.tensor([3, 3]))
+    x_local, meta = dispatch(x, torch.tensor([2, 3]))
+    assert torch.equal(x_local, x) and meta.offsets.tolist() == [2, 5]
+    with pytest.raises(ValueError, match=r"^y_local: expected dispatch's 5 rows, got shape \(4, 8\)"):
+        combine(x[:4], meta)
+    with pytest.raises(ValueError, match=r"^meta: expected the DispatchMeta returned by dispatch, got dict"):
+        combine(x, {})
+    with pytest.raises(ValueError, match=r"^experts: expected 5 rows, one per token of x, got shape \(4, 2\)"):
+        permute_padded(x, torch.zeros(4, 2, dtype=torch.int64), 4, 2)
+    with pytest.raises(ValueError, match=r"^capacity: "):
+        permute_padded(x, torch.zeros(5, 2, dtype=torch.int64), 4, -1)
+    with pytest.raises(ValueError, match=r"^x_ECH: expected E = 0 experts \(dim 0\) divisible by ep = 1"):
+        dispatch_padded(torch.zeros(0, 2, H))
+    _, padded_meta = dispatch_padded(torch.zeros(4, 2, H))
+    with pytest.raises(ValueError, match=r"^meta: expected the PaddedDispatchMeta returned by dispatch_padded, got DispatchMeta"):
+        combine_padded(torch.zeros(8, H), meta)
+    assert combine_padded(torch.ones(8, H), padded_meta).shape == (4, 2, H)
+
+
+def test_permute_padded_adds_a_bf16_token_s_slots_in_float32():
+    """A bf16 x's gradient through permute_padded: each token's K slot rows added in float32 and
+    rounded once, as fmoe.ops.permute does (bf16 adds one by one round at each: 4e-3 off here)."""
+    from fmoe.parallel.expert import permute_padded
+
+    g = torch.Generator().manual_seed(0)
+    T, K, n_experts = 8, 4, 4
+    x = torch.randn(T, 16, generator=g).bfloat16().requires_grad_()
+    experts = torch.stack([torch.randperm(n_experts, generator=g) for _ in range(T)])
+    x_ECH, plan = permute_padded(x, experts, n_experts, T)
+    dy = torch.randn(n_experts * T, 16, generator=g).bfloat16()
+    (grad,) = torch.autograd.grad(x_ECH, x, dy.view(n_experts, T, 16))
+    expected = dy.float()[plan.row_of_slot.long()].sum(1).bfloat16()  # [T, K, H] -> [T, H]
+    assert torch.equal(grad, expected)
