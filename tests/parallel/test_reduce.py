@@ -146,7 +146,11 @@ def _seq_layers_results(rank, world_size, E=4, k=2, cu=(0, 5, 11, 16)):
     with counting_all_reduce() as lonely_calls:
         lonely = seq_load_balancing_losses_split(*lonely_in, cu_t, k=k, group=dist.group.WORLD, names=LAYERS, n_experts=E,
                                                  start=0 if rank == 0 else 16)
+    # no MoE layer in the model (names = []): the same on every rank, so no collective at all
+    with counting_all_reduce() as no_layer_calls:
+        no_layer = seq_load_balancing_losses_split({}, {}, cu_t, k=k, group=dist.group.WORLD, names=[], n_experts=E, start=bounds[rank])
     return dict(values={n: float(v) for n, v in values.items()}, refs=refs, calls=len(calls), one_by_one=one_by_one,
+                no_layer=no_layer, no_layer_calls=len(no_layer_calls),
                 masked={n: float(v) for n, v in masked.items()}, masked_refs=masked_refs, masked_calls=len(masked_calls),
                 lonely={n: float(v) for n, v in lonely.items()}, lonely_ref=float(ops.seq_load_balancing_loss(s, e, cu_t, k=k)),
                 lonely_calls=len(lonely_calls), layerless=_layerless_results(rank, world_size, bounds, E, k, cu))
@@ -185,6 +189,7 @@ def _check_seq_layers(results):
             assert r["values"][name] == pytest.approx(r["one_by_one"][name]["value"], rel=1e-6, abs=1e-9)
             assert r["one_by_one"][name]["grads_equal"], name
     assert [r["calls"] for r in results] == [1] * len(results)  # one collective for all layers
+    assert all(r["no_layer"] == {} and r["no_layer_calls"] == 0 for r in results)
     for name in (LAYERS[0], LAYERS[2]):
         assert sum(r["masked"][name] for r in results) == pytest.approx(results[0]["masked_refs"][name], rel=1e-5), name
         assert results[0]["masked_refs"][name] != pytest.approx(results[0]["refs"][name], rel=1e-3), name
@@ -218,21 +223,27 @@ def _layer_counts(rank, world_size):
     return {name: torch.arange(N_EXPERTS, dtype=torch.int64) * (rank + 1) + 10 * i for i, name in reversed(list(enumerate(LAYERS))) if name in held}
 
 
-def _counts_results(rank, world_size):
+def _counts_results(rank, world_size, group=None):
+    group = dist.group.WORLD if group is None else group
     with counting_all_reduce() as calls:
-        totals = all_reduce_counts(_layer_counts(rank, world_size), dist.group.WORLD, names=LAYERS, n_experts=N_EXPERTS)
-    return dict(totals=totals, calls=len(calls))
+        totals = all_reduce_counts(_layer_counts(rank, world_size), group, names=LAYERS, n_experts=N_EXPERTS)
+    with counting_all_reduce() as no_layer_calls:  # no MoE layer in the model: no collective
+        no_layer = all_reduce_counts({}, group, names=[], n_experts=N_EXPERTS)
+    return dict(totals=totals, calls=len(calls), no_layer=no_layer, no_layer_calls=len(no_layer_calls))
 
 
-def _check_counts(results):
-    world_size = len(results)
+def _check_counts(results, ranks=None, world_size=None):
+    """results: the ranks' (default: every rank of the world, in order) over their group."""
+    world_size = len(results) if world_size is None else world_size
+    ranks = range(world_size) if ranks is None else ranks
     expected = {name: torch.zeros(N_EXPERTS, dtype=torch.int64) for name in LAYERS}
-    for r in range(world_size):
+    for r in ranks:
         for name, c in _layer_counts(r, world_size).items():
             expected[name] += c
     assert any(not _layer_counts(r, world_size) for r in range(world_size))  # a rank with no layer
     for result in results:
         assert result["calls"] == 1
+        assert result["no_layer"] == {} and result["no_layer_calls"] == 0
         assert list(result["totals"]) == LAYERS
         for name in LAYERS:
             assert result["totals"][name].dtype == torch.int64
@@ -251,7 +262,9 @@ def _sums_results(rank, group):
             sums = all_reduce_sums(values, group)
     finally:
         torch.Tensor.tolist, torch.Tensor.item = original_tolist, original_item
-    return dict(sums=sums, calls=len(calls), order=list(values), host_reads=host_reads)
+    with counting_all_reduce() as empty_calls:  # nothing to log: {} and no collective
+        empty = all_reduce_sums({}, group)
+    return dict(sums=sums, calls=len(calls), order=list(values), host_reads=host_reads, empty=empty, empty_calls=len(empty_calls))
 
 
 def _check_sums(results, ranks):
@@ -261,6 +274,7 @@ def _check_sums(results, ranks):
     }
     for result in results:
         assert result["calls"] == 1 and result["host_reads"] == []
+        assert result["empty"] == {} and result["empty_calls"] == 0
         assert list(result["sums"]) == result["order"]
         for name, value in result["sums"].items():  # 0-D float64 tensors, read here only
             assert isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0, name
@@ -623,6 +637,7 @@ def _world4(rank, world_size):
         seq_layers=_seq_layers_results(rank, world_size),
         seq_tp=_seq_split_results(rank, tp_cases, meshes.axis("tp"), tp_rank, seed=100 * dp_rank),
         counts=_counts_results(rank, world_size),
+        counts_dp=_counts_results(rank, world_size, meshes.axis("dp")),
         sums=_sums_results(rank, meshes.axis("dp")),
         global_loss=_global_loss_results(rank, world_size, [0, 3, 3, 8, 14]),
         grad_norm=_grad_norm_results(rank, world_size, GRAD_CONFIGS_4),
@@ -674,6 +689,8 @@ def test_seq_losses_of_every_layer_in_one_collective(world2, world4):
 def test_all_reduce_counts_one_collective_and_ranks_without_layers(world2, world4):
     _check_counts([r["counts"] for r in world2])
     _check_counts([r["counts"] for r in world4])
+    for pair in ([0, 2], [1, 3]):  # over the dp axis (a 1-D DeviceMesh): summed over the pair only
+        _check_counts([world4[r]["counts_dp"] for r in pair], pair, 4)
 
 
 def test_all_reduce_sums(world2, world4):
@@ -733,6 +750,9 @@ def test_global_loss_micro_batches_with_running_counts():
     # the default n_score_tokens is n_tokens: the plain switch loss
     value = global_load_balancing_loss(scores[0], running, k=k, n_tokens=torch.tensor(9))
     assert float(value) == pytest.approx(float(ops.load_balancing_loss(scores[0], running, k=k, n_tokens=9)), rel=1e-6)
+    # float64 token counts (all_reduce_sums' values) still give a float32 value
+    n64 = torch.tensor(9.0, dtype=torch.float64)
+    assert global_load_balancing_loss(scores[0], running, k=k, n_tokens=n64, n_score_tokens=n64 + 3).dtype == torch.float32
 
 
 def test_z_loss_split_shares_add_up_to_the_mean_and_its_gradient():
@@ -761,6 +781,11 @@ def test_z_loss_split_shares_add_up_to_the_mean_and_its_gradient():
     (sum(values) * upstream).backward()
     torch.testing.assert_close(logits.grad, grad, rtol=1e-6, atol=1e-7)
     _raises(r"mask: expected None or a bool tensor \[5\]", z_loss_split, shards[0], n_tokens=8, mask=keep)
+    # one rank holding every token (n_tokens = its rows), and one whose 7 rows hold only 4 kept tokens (n_tokens = 4 < 7)
+    assert float(z_loss_split(logits.detach(), n_tokens=12)) == pytest.approx(float(ops.z_loss(logits.detach())), rel=1e-6)
+    assert float(z_loss_split(shards[1].detach(), n_tokens=4, mask=keep[5:])) == pytest.approx(float(ops.z_loss(shards[1].detach(), mask=keep[5:])), rel=1e-6)
+    # a float64 token count (e.g. all_reduce_sums' value) still gives a float32 value
+    assert z_loss_split(shards[0].detach(), n_tokens=torch.tensor(12.0, dtype=torch.float64)).dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------- refusals in one process
@@ -787,6 +812,15 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"token_index: expected shape \(6,\)", split, scores, experts, cu, k=2, token_index=torch.arange(5), group=None)
     _raises(r"token_index: expected indices in \[0, 13\)", split, scores, experts, cu, k=2, token_index=torch.arange(8, 14), group=None)
     _raises("token_index: expected dtype int32 or int64", split, scores, experts, cu, k=2, token_index=torch.arange(6.0), group=None)
+    _raises(r"token_index: expected indices in \[0, 13\)", split, scores, experts, cu, k=2, token_index=torch.arange(-1, 5), group=None)
+    # a context-parallel rank holding no token: its empty token_index is fine (the group is checked after)
+    _raises("group: expected", split, scores[:0], experts[:0], cu, k=2, token_index=torch.arange(0), group=None)
+    _raises(r"cu_seqlens: expected a 1-D tensor", split, scores, experts, torch.tensor([[0, 6, 13]]), k=2, start=0, group=None)
+    _raises("cu_seqlens: expected at least 2 entries", split, scores[:0], experts[:0], torch.tensor([], dtype=torch.int32), k=2, start=0, group=None)
+    # check=False: the free checks still run; the value checks (a host sync) do not
+    _raises("cu_seqlens: expected dtype int32 or int64", split, scores, experts, cu.float(), k=2, start=0, group=None, check=False)
+    _raises("cu_seqlens: expected at least 2 entries", split, scores[:0], experts[:0], cu[:1], k=2, start=0, group=None, check=False)
+    _raises("group: expected", split, scores, experts, cu, k=2, start=8, group=None, check=False)
     past = experts.clone()
     past[0, 0] = 7  # an id past E = 4: refused as the unsplit op refuses it (it counted nowhere)
     _raises(r"^experts: ids must lie in -1..3 \(-1: a dropped or skipped slot\), got 0..7$", split, scores, past, cu, k=2, start=0, group=None)
@@ -813,6 +847,8 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"counts\['a'\]: expected an integer tensor", all_reduce_counts, {"a": torch.ones(4)}, None, names=["a"], n_experts=4)
     _raises("names: expected unique", all_reduce_counts, good, None, names=["a", "a"], n_experts=4)
     _raises("names: expected a sequence of layer-name strings", all_reduce_counts, good, None, names="a", n_experts=4)
+    _raises("names: expected a sequence of layer-name strings", all_reduce_counts, good, None, names=["a", 1], n_experts=4)
+    _raises(r"counts\['a'\]: expected an integer tensor", all_reduce_counts, {"a": torch.ones(4, dtype=torch.bool)}, None, names=["a"], n_experts=4)
     _raises("n_experts: expected >= 1", all_reduce_counts, good, None, names=["a"], n_experts=0)
     _raises("group: expected", all_reduce_counts, good, None, names=["a"], n_experts=4)
     _raises("group: expected", all_reduce_counts, good, None, names=(n for n in ["a"]), n_experts=4)  # a generator, read once
@@ -829,6 +865,9 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
 
     _raises(r"values\['x'\]: expected a real 1-element tensor", all_reduce_sums, {"x": torch.ones(2)}, None)
     _raises(r"values\['x'\]: expected a number", all_reduce_sums, {"x": "1"}, None)
+    _raises(r"values\['x'\]: expected a number", all_reduce_sums, {"x": True}, None)
+    _raises(r"values\['x'\]: expected a real 1-element tensor", all_reduce_sums, {"x": torch.ones(1, dtype=torch.complex64)}, None)
+    _raises("values: expected a mapping", all_reduce_sums, [("x", 1.0)], None)
     _raises("group: expected", all_reduce_sums, {"x": 1.0}, None)
     _raises("group: expected", all_reduce_sums, {"x": np.float32(1.5), "y": np.int64(2)}, None)  # numpy's scalars are numbers
     _raises(r"values: expected string names, got \[1\]", all_reduce_sums, {"x": 1.0, 1: 2.0}, None)  # sorted: one order on every rank
