@@ -305,16 +305,65 @@ def _unshared_case(rank, world, shared, private):
     return same, left, own
 
 
-def test_a_rank_that_does_not_see_rank_0_s_out_dir_is_refused_on_every_rank(tmp_path):
+def _every_rank_case(rank, world):
+    said = {}
+    said["same"] = every_rank("--x: bad", rank)
+    said["first"] = every_rank(f"--x: bad on {rank}", rank)[0]
+    said["one"] = every_rank("--y: missing" if rank == 1 else None)[0]
+    said["differ"] = every_rank(None, rank, lambda every: f"differ {every}")[0]
+    said["agree"] = every_rank(None, "same", lambda every: f"differ {every}")
+    for error in (RuntimeError(f"read {rank}"), RuntimeError("read")):
+        try:
+            raise_together(error)
+        except Exception as err:  # noqa: BLE001
+            said.setdefault("raised", []).append((type(err).__name__, str(err), err is error))
+    return said
+
+
+def _lagging_case(rank, world, shared):
+    """Rank 1 on a network file system whose cache shows rank 0's file only at the third look."""
+    from fmoe.train.run import unshared_dir
+
+    real, looks = pathlib.Path.exists, []
+
+    def lagging(self, *args, **kwargs):
+        if self.name.startswith(".fmoe_shared_") and len(looks) < 2:
+            looks.append(self.name)
+            return False
+        return real(self, *args, **kwargs)
+
+    if rank == 1:
+        pathlib.Path.exists = lagging
+    try:
+        return unshared_dir(shared, wait_seconds=30)
+    finally:
+        pathlib.Path.exists = real
+
+
+def _two_rank_cases(rank, world, root):
+    """Every two-rank case of this file, in one spawn."""
+    return dict(unshared=_unshared_case(rank, world, f"{root}/shared", f"{root}/private"), every_rank=_every_rank_case(rank, world),
+                lagging=_lagging_case(rank, world, f"{root}/lagging"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """(the cases' directory, each rank's results of _two_rank_cases)."""
+    from tests.parallel.dist import run_distributed
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    for name in ("shared", "private", "lagging"):
+        (root / name).mkdir()
+    return root, run_distributed(_two_rank_cases, 2, str(root))
+
+
+def test_a_rank_that_does_not_see_rank_0_s_out_dir_is_refused_on_every_rank(two_ranks):
     """Two nodes whose out_dir is each one's own disk at the same path ran to their first
     checkpoint and failed there (rank 1: the step directory rank 0 made does not exist, among
     gloo errors). unshared_dir finds it at the start, on every rank; a shared one passes,
     leaving nothing behind."""
-    from tests.parallel.dist import run_distributed
-
-    (tmp_path / "shared").mkdir()
-    (tmp_path / "private").mkdir()
-    results = run_distributed(_unshared_case, 2, str(tmp_path / "shared"), str(tmp_path / "private"))
+    tmp_path, results = two_ranks
+    results = [r["unshared"] for r in results]
     said = (f"rank 1: --out_dir: {tmp_path / 'private'} on {socket.gethostname()} does not hold the file rank 0 wrote in it "
             "(.fmoe_shared_")
     for same, left, own in results:
@@ -549,3 +598,276 @@ def test_an_out_dir_lock_refused_its_path_leaves_no_error_behind(monkeypatch):
     gc.collect()
     assert unraisable == []
 
+
+def test_set_deterministic_fixes_cublas_s_workspace_unless_one_is_given(monkeypatch):
+    """CUBLAS_WORKSPACE_CONFIG (module docstring): set to :4096:8 where unset, a given one kept, left set by False."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        fmoe.train.run.set_deterministic(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        fmoe.train.run.set_deterministic(False)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # it only fixes the workspace: stays
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        fmoe.train.run.set_deterministic(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the user's own: kept
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
+
+
+def test_git_state_is_the_checkout_s_own_and_dirty_means_tracked_changes(tmp_path):
+    """_git_state: a package tracked in a subfolder of another repository (vendored) is not that
+    repository's checkout; in fmoe's own checkout git_dirty is False until a tracked file changes
+    (an untracked file, a run's out_dir in the checkout, is no change)."""
+    from fmoe.train.run import _git_state
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+
+    def repo(top, package):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("x = 1\n")
+        for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "a"]):
+            subprocess.run(git + args, cwd=top, check=True, capture_output=True)
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=top, capture_output=True, text=True, check=True).stdout.strip()
+
+    vendored = tmp_path / "project"
+    repo(vendored, vendored / "lib" / "fmoe")  # tracked, but the checkout's top level is project/, not lib/
+    assert _git_state((vendored / "lib" / "fmoe").resolve()) == (None, None)
+    own = tmp_path / "own"
+    head = repo(own, own / "fmoe")
+    package = (own / "fmoe").resolve()
+    assert _git_state(package) == (head, False)
+    (own / "runs").mkdir()
+    (own / "runs" / "metrics.jsonl").write_text("{}\n")  # untracked: not dirty
+    assert _git_state(package) == (head, False)
+    (package / "__init__.py").write_text("x = 2\n")  # a tracked file changed
+    assert _git_state(package) == (head, True)
+
+
+def test_run_info_records_the_whole_command_line(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["scripts/train_moe.py", "--lr=0.01", "--steps=3"])
+    assert fmoe.train.run.run_info()["argv"] == ["scripts/train_moe.py", "--lr=0.01", "--steps=3"]
+
+
+def test_an_out_dir_is_held_against_every_other_lock_and_its_holder_named(tmp_path):
+    """A second OutDirLock (this process's, another's) is refused while the first holds it, naming another process's pid."""
+    from fmoe.train.run import OutDirInUse, OutDirLock
+
+    out = tmp_path / "run"
+    lock = OutDirLock(out)
+    with pytest.raises(OutDirInUse, match="this process holds it"):
+        OutDirLock(out)
+    lock.release()
+    other = tmp_path / "other"
+    code = (f"import sys; from fmoe.train.run import OutDirLock; lock = OutDirLock({str(other)!r}); print('held', flush=True); "
+            "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(OutDirInUse, match=rf"^--out_dir: {other} is in use: another run \(pid {holder.pid}\) is writing it"):
+            OutDirLock(other)
+    finally:
+        holder.communicate("", timeout=60)
+    OutDirLock(other).release()  # its process ended: free again
+
+
+def test_an_out_dir_lock_refuses_what_is_no_writable_directory(tmp_path, monkeypatch):
+    """The checks test_train_loop.py makes through a training run, here in-process: '' (the working directory),
+    a file, a directory that cannot be written (removed again where the lock made it)."""
+    import errno
+    import tempfile
+
+    from fmoe.train.run import OutDirLock
+
+    with pytest.raises(ValueError, match="^--out_dir: expected a directory, got ''"):
+        OutDirLock("")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"^--out_dir: {tmp_path / 'file'} exists and is not a directory$"):
+        OutDirLock(tmp_path / "file")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(ValueError, match=f"^--out_dir: {tmp_path / 'ro'} cannot be written: Read-only file system$") as refused:
+        OutDirLock(tmp_path / "ro")
+    # removed at the refusal, not at the half-made lock's __del__ (its traceback, kept here, holds it)
+    assert not (tmp_path / "ro").exists() and refused.value
+
+
+def test_files_a_run_writes_itself_are_refused_as_links(tmp_path):
+    from fmoe.train.run import refuse_link, write_config
+
+    target = tmp_path / "bashrc"
+    target.write_text("keep\n")
+    (tmp_path / "config.json").symlink_to(target)
+    with pytest.raises(ValueError, match=r"out_dir: '.*config.json' is a link \(to '.*bashrc'\); a run writes its own config.json"):
+        refuse_link(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="is a link"):
+        write_config(tmp_path, {})
+    assert target.read_text() == "keep\n"
+    refuse_link(tmp_path / "none.json")  # missing or a plain file: fine
+    refuse_link(target)
+
+
+def test_write_config_takes_a_dict_and_records_other_values_as_strings(tmp_path):
+    import json
+
+    from fmoe.train.run import write_config
+
+    for bad in ([("lr", 0.1)], None, "lr=0.1"):
+        with pytest.raises(ValueError, match="config: expected a dict of knobs"):
+            write_config(tmp_path, bad)
+    path = write_config(tmp_path, {"data": pathlib.Path("/data/x.bin")}, started_from=pathlib.Path("ckpt"))
+    record = json.loads(path.read_text())
+    assert record["config"] == {"data": "/data/x.bin"} and record["started_from"] == "ckpt"
+
+
+def test_the_default_repeat_window_is_five_seconds():
+    """A launcher's copy of a signal seconds later (a loaded node) is still the same request; 5 s after it is a second one."""
+    seen = []
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *a: seen.append("previous"))
+    try:
+        with StopRequests(("SIGUSR1",)) as stop:
+            assert stop.repeat_seconds == 5.0
+            os.kill(os.getpid(), signal.SIGUSR1)
+            stop._first[signal.SIGUSR1] -= 4  # 4 s later: the same request
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert seen == [] and stop.reason() == "SIGUSR1"
+            stop._first[signal.SIGUSR1] -= 2  # 6 s after the first: a second request
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert seen == ["previous"]
+    finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
+
+
+def test_the_time_limit_is_not_reached_before_its_minutes():
+    with StopRequests((), minutes=1.5, start=time.monotonic() - 88) as stop:  # 88 s of 90
+        assert stop.reason() is None
+    with StopRequests((), minutes=10, start=time.monotonic() - 595) as stop:  # 595 s of 600
+        assert stop.reason() is None
+
+
+def test_stop_requests_can_be_entered_again_once_left():
+    before = signal.getsignal(signal.SIGUSR2)
+    stop = StopRequests(("SIGUSR2",))
+    for _ in range(2):
+        with stop:
+            assert signal.getsignal(signal.SIGUSR2) == stop._note
+        assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_a_handler_python_did_not_install_is_put_back_as_the_default(monkeypatch):
+    """signal.signal returns None for a handler installed outside Python (an embedding program):
+    leaving, and a second request, put SIG_DFL there (signal.signal(sig, None) is a TypeError)."""
+    real = signal.signal
+    before = signal.getsignal(signal.SIGUSR2)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: (real(sig, handler), None)[1])
+    try:
+        with StopRequests(("SIGUSR2",)):
+            pass
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    finally:
+        real(signal.SIGUSR2, before)
+
+
+def test_one_process_or_no_world_size_is_no_launch(monkeypatch, launch_store):
+    """WORLD_SIZE=1 (or unset): main runs as it is, its refusal said at once and left in no store."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, took = _timed(_refuse, ["lr"], wait=30)
+    assert code == "--lr: expected a number" and took < 10 and launch_store.num_keys() == 0
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")  # a RANK left in a shell, no WORLD_SIZE: one process
+    code, took = _timed(_refuse, ["lr"], wait=20)
+    assert code == "--lr: expected a number" and took < 10, took
+
+
+def test_a_store_that_cannot_be_named_or_written_is_none(monkeypatch, launch_store):
+    """TORCHELASTIC_USE_AGENT_STORE without MASTER_ADDR: no store (not a KeyError); rank 0's store gone at its
+    set: its refusal is still said."""
+    monkeypatch.delenv("MASTER_ADDR")
+    assert fmoe.train.run._launch_store() is None
+    monkeypatch.setenv("RANK", "1")
+    assert _timed(_refuse, ["lr"], wait=0.2)[0] == "--lr: expected a number"
+
+    class Gone:
+        def set(self, key, value):
+            raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(fmoe.train.run, "_launch_store", Gone)
+    monkeypatch.setenv("RANK", "0")
+    assert _timed(_refuse, ["lr"], wait=5)[0] == "--lr: expected a number"
+
+
+def test_every_rank_agrees_on_the_first_refusal_and_raise_together_raises_it_everywhere(two_ranks):
+    for rank, said in enumerate(r["every_rank"] for r in two_ranks[1]):
+        assert said["same"] == ("--x: bad", [0, 1])  # the same refusal: said without a rank
+        assert said["first"] == "rank 0: --x: bad on 0"  # the first rank's
+        assert said["one"] == "rank 1: --y: missing"
+        assert said["differ"] == "differ [0, 1]" and said["agree"] == (None, ["same", "same"])
+        # different errors: rank 0's text as a ValueError on every rank; the same error: each rank's own
+        assert said["raised"] == [("ValueError", "rank 0: read 0", False), ("RuntimeError", "read", True)]
+
+
+def test_nearest_takes_difflib_s_ratio_from_0_6():
+    assert nearest("abcd", ["abxy"]) == []  # a ratio of 0.5
+    assert nearest("abcde", ["abcxy"]) == ["abcxy"]  # 0.6
+
+
+def test_a_stray_positional_argument_gets_no_option_suggested():
+    parser = ArgumentParser(prog="tool")
+    parser.add_argument("--tokens", type=int)
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["tokns"])
+    assert stop.value.code.endswith("tool: error: unrecognized arguments: tokns")
+
+
+def test_the_holder_named_is_the_flock_s_not_a_posix_lock_s(tmp_path):
+    """/proc/locks lists POSIX (fcntl) locks of the same inode too: the holder named is the process holding the flock,
+    not one holding a POSIX lock on the directory (here this process, which was then told it held the directory itself)."""
+    import fcntl
+
+    from fmoe.train.run import OutDirInUse, OutDirLock
+
+    out = tmp_path / "run"
+    code = f"import sys; from fmoe.train.run import OutDirLock; lock = OutDirLock({str(out)!r}); print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    fd = None
+    try:
+        assert holder.stdout.readline() == "held\n"
+        fd = os.open(out, os.O_RDONLY)
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a POSIX read lock, listed before the flock
+        with pytest.raises(OutDirInUse, match=rf"another run \(pid {holder.pid}\) is writing it"):
+            OutDirLock(out)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        holder.communicate("", timeout=60)
+
+
+def test_a_rank_that_sees_rank_0_s_file_late_is_not_refused(two_ranks):
+    """A network file system's cache: a rank that does not see the file at once looks again within wait_seconds."""
+    root, results = two_ranks
+    assert [r["lagging"] for r in results] == [None, None]
+    assert list((root / "lagging").iterdir()) == []
+
+
+def test_a_window_of_0_lets_every_repeat_act_even_at_the_same_clock_reading(monkeypatch):
+    """repeat_seconds=0: no repeat is the same request, a coarse clock's equal reading included (a frozen clock here)."""
+    import types
+
+    monkeypatch.setattr(fmoe.train.run, "time", types.SimpleNamespace(monotonic=lambda: 100.0))
+    seen = []
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *a: seen.append("previous"))
+    try:
+        with StopRequests(("SIGUSR1",), repeat_seconds=0) as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.reason() == "SIGUSR1" and seen == ["previous"]
+    finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
