@@ -297,7 +297,6 @@ def test_kernels_round_float32_to_bfloat16_to_nearest_even(device, monkeypatch):
         assert (_bfloat16_bits(cast) != want).sum() > 400
 
 
-
 def test_next_pow2_is_the_smallest_power_of_two_at_least_n():
     assert [backend.next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 1000, 1024)] == [1, 1, 2, 4, 4, 8, 8, 16, 1024, 1024]
 

@@ -623,7 +623,6 @@ def test_gpu_balance_real_shapes():
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1.6e-2, atol=1e-5)
 
 
-
 def test_masks_of_the_right_count_but_another_shape_are_refused():
     """A [5, 1] or [1, 5] bool mask holds 5 values but is not the [T] mask the ops take (a
     [T, 1] mask would broadcast against [T, E] scores into a [T, T] selection)."""

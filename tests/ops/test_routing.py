@@ -867,7 +867,6 @@ def test_the_kernel_s_padding_rows_hold_no_nan_keys():
     assert torch.equal(got[1], want[1])
 
 
-
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_negative_zero_ties_with_zero(impl, device):
     """-0.0 and +0.0 are one score (sort_desc's tie rule: the lower expert first), in either

@@ -206,7 +206,6 @@ def test_gpu_offsets_past_int32(B, backward):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-
 def test_an_infinite_rate_is_reported_as_inf():
     """checks.largest keeps +inf (not nan_to_num's default, the largest finite float32): an
     A holding +inf is reported as inf, not as 3.40282e+38."""

@@ -450,8 +450,7 @@ def test_plot_writes_pngs(tmp_path):
 
 def test_loss_plot_shows_each_sources_validation_loss(tmp_path, monkeypatch):
     """A blend's runs: a validation line per source beside the mean; one source: the mean only."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     drawn = []
     monkeypatch.setattr(plot, "_draw_panel", lambda ax, series, ylabel: drawn.append((ylabel, dict(series))))
@@ -468,8 +467,7 @@ def test_loss_plot_shows_each_sources_validation_loss(tmp_path, monkeypatch):
 def test_loss_plot_shows_the_losses_the_default_run_logs(tmp_path, monkeypatch):
     """The loop logs lm loss, mtp_<d>_loss per depth and every balancing loss, a loss whose
     coefficient is 0 as 0: a panel per kind, each MTP depth in one, the all-zero ones left out."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     drawn = []
     monkeypatch.setattr(plot, "_draw_panel", lambda ax, series, ylabel: drawn.append((ylabel, dict(series))))
@@ -494,8 +492,7 @@ def test_loss_plot_shows_the_losses_the_default_run_logs(tmp_path, monkeypatch):
 
 def test_expert_load_plot_draws_a_diverged_layers_null_load_as_a_gap(tmp_path):
     """A non-finite load is logged as null (strict JSON); the heatmap shows it as NaN (blank), not a TypeError."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     log = M.MetricsLogger(tmp_path, total_steps=2, print_progress=False)
     log.log(1, {"loss": 3.0, "load_max_over_mean": [1.5, float("nan")]})
@@ -511,8 +508,7 @@ def test_line_plots_mark_a_non_finite_step_and_keep_an_all_null_series(tmp_path)
     """metrics.jsonl writes a NaN or inf as null: the line breaks at that step (it was drawn straight across from the step
     before to the step after), a dotted vertical line marks the step, and the panel counts them; a loss null at every step
     keeps its panel with a note (it lost its panel without a word)."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     log = M.MetricsLogger(tmp_path, total_steps=4, print_progress=False)
     nan, inf = float("nan"), float("inf")
@@ -552,8 +548,7 @@ def test_line_plots_mark_a_non_finite_step_and_keep_an_all_null_series(tmp_path)
 def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
     """The panels are titled by the logged moe_layers (block 1 and the MTP module here), not
     by their rows (which named block 1 "layer 0" and the MTP module "layer 1")."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": s, "loss": 3.0, "tokens_per_expert": [[3, 1, 2, 2], [2, 2, 2, 2]], "moe_layers": ["layer_1", "mtp_1"]}
                for s in (1, 2)]
@@ -580,8 +575,7 @@ def test_expert_load_shares_leave_the_zero_experts_out(tmp_path):
     """Zero experts' columns were drawn as experts and counted in the uniform share: a layer whose 4 computing experts
     were balanced, [2, 2, 2, 2] beside a zero expert's 8, showed them at 0.625 each; now at 1.0, the zero experts' share
     being zero_fraction (said in the title), and max/mean over the computing experts, as layer_loads logs it."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     logged = M.to_host(M.layer_loads(torch.tensor([[2, 2, 2, 2, 8], [4, 0, 2, 2, 0]]), slots=16, zero_experts=1))
     records = [{"step": 1, "tokens_per_expert": logged["tokens_per_expert"], "zero_experts": logged["zero_experts"]}]
@@ -600,6 +594,14 @@ def test_expert_load_shares_leave_the_zero_experts_out(tmp_path):
     with pytest.raises(ValueError, match=r"^records: tokens_per_expert at step 2 has \[5, 5\] experts per layer \(2 zero experts\) "
                                          r"where step 1's has \[5, 5\] \(1 zero experts\): a changed model"):
         plot._load_matrix([records[0], {**records[0], "step": 2, "zero_experts": 2}])
+
+
+def _plot():
+    """fmoe.train.plot; the test skipped, with the reason, where matplotlib is not installed."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    return plot
 
 
 def _keeping_pyplot():
@@ -633,8 +635,7 @@ def test_plot_missing_metrics(tmp_path, capsys):
 def test_expert_load_heatmap_draws_each_column_at_its_step(tmp_path):
     """Steps 1, 100, 200, 300: step 1's load drawn around x = 1 (it was spread over 0.5..75.5,
     the columns evenly between the first and last step), not under the loss panel's step 50."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
 
@@ -659,8 +660,7 @@ def test_expert_load_heatmap_draws_each_column_at_its_step(tmp_path):
 def test_expert_load_refuses_records_whose_layers_or_experts_change():
     """A layer count that changes (records of two runs) was cut to the shortest by zip, a
     layer silently lost; now a ValueError naming the key and the step."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     with pytest.raises(ValueError, match=r"^records: load_max_over_mean at step 2 has 1 layer where step 1's has 2"):
         plot._load_matrix([{"step": 1, "load_max_over_mean": [1.5, 7.0]}, {"step": 2, "load_max_over_mean": [1.2]}])
@@ -684,8 +684,7 @@ def test_expert_load_refuses_records_whose_layers_or_experts_change():
 ], ids=["layers_change", "null_count", "scalar_load", "null_source_count", "no_known_keys"])
 def test_plot_cli_says_what_is_wrong_with_odd_records(tmp_path, capsys, records, error):
     """The CLI's error: line (exit 1, no file written), not a traceback or a silent exit 0."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot.main([str(tmp_path)]) == 1
@@ -1108,9 +1107,7 @@ def test_allocated_bytes_follows_a_storage_resized_in_place():
 
 
 def test_plot_health_needs_its_signals(tmp_path):
-    from fmoe.train import plot
-
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    plot = _plot()
     assert not plot.plot_health([{"step": 1, "loss": 2.0}], tmp_path / "health.png", plot._pyplot())
     assert not (tmp_path / "health.png").exists()
 
@@ -1118,9 +1115,7 @@ def test_plot_health_needs_its_signals(tmp_path):
 def test_plot_health_shows_the_sources_shares_of_a_blend_only(tmp_path):
     """One source has a share of 1 at every step: no panel for it (it drew a line hidden on the
     frame of an empty-looking panel). A blend's shares get theirs, with room above 1."""
-    from fmoe.train import plot
-
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    plot = _plot()
 
     class Spy:  # pyplot, noting the figures plot_health makes
         def __init__(self, plt):
@@ -1552,8 +1547,7 @@ def test_logger_takes_int_steps_and_read_metrics_a_file(tmp_path):
 
 def test_series_leaves_out_values_of_another_kind():
     """_series keeps numbers and nulls (as NaN); a string, a bool or a list under the key is left out, as said."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": "2.5"}, {"step": 3, "loss": True}, {"step": 4, "loss": [1.0]},
                {"step": 5, "loss": 1}]
@@ -1562,8 +1556,7 @@ def test_series_leaves_out_values_of_another_kind():
 
 def test_mtp_panel_takes_the_depths_keys_only():
     """mtp_*_loss matches a whole key: mtp_1_loss, not a key that merely starts like one."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": 1, "mtp_1_loss": 2.0, "mtp_1_loss_tokens": 40.0, "mtp_2_loss_ema": 3.0}]
     assert plot._logged(records, ("mtp_*_loss",)) == ["mtp_1_loss"]
@@ -1572,8 +1565,7 @@ def test_mtp_panel_takes_the_depths_keys_only():
 def test_loss_plot_draws_a_source_that_some_evaluations_lack(tmp_path, monkeypatch):
     """val_loss_by_source whose sources differ between evaluations (a source added to the blend):
     each source's line has the evaluations that name it (a KeyError otherwise)."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     drawn = []
     monkeypatch.setattr(plot, "_draw_panel", lambda ax, series, ylabel: drawn.append((ylabel, dict(series))))
@@ -1585,8 +1577,7 @@ def test_loss_plot_draws_a_source_that_some_evaluations_lack(tmp_path, monkeypat
 
 def test_a_panel_of_one_series_has_no_legend(tmp_path):
     """A legend only where a panel draws several lines (its y label names the one)."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
     records = [{"step": s, "loss": 3.0 / s, "val_loss": 3.5 / s, "z_loss": 0.1 * s} for s in (1, 2)]
@@ -1598,8 +1589,7 @@ def test_a_panel_of_one_series_has_no_legend(tmp_path):
 
 def test_expert_load_ignores_empty_per_layer_lists():
     """A dense model logs load_max_over_mean = [] and tokens_per_expert = [] (no MoE layer): nothing to draw."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": s, "loss": 3.0, "load_max_over_mean": [], "tokens_per_expert": []} for s in (1, 2)]
     assert plot._load_matrix(records) is None
@@ -1607,8 +1597,7 @@ def test_expert_load_ignores_empty_per_layer_lists():
 
 
 def test_expert_load_refuses_negative_counts():
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     with pytest.raises(ValueError, match=r"^records: tokens_per_expert at step 3: expected a list of per-layer lists of expert counts "
                                          r"\(numbers >= 0\), got \[\[1, -2\]\]"):
@@ -1619,8 +1608,7 @@ def test_expert_load_refuses_negative_counts():
 
 def test_expert_load_of_a_layer_that_routed_no_token():
     """A layer whose counts are all 0 (no token reached it at that step) draws shares of 0, not a ZeroDivisionError."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     steps, mom, per_layer = plot._load_matrix([{"step": 1, "tokens_per_expert": [[0, 0], [1, 3]]}])
     assert per_layer == [[[0.0], [0.0]], [[0.5], [1.5]]] and mom == [[0.0], [1.5]]
@@ -1628,8 +1616,7 @@ def test_expert_load_of_a_layer_that_routed_no_token():
 
 def test_expert_load_draws_the_logged_load_where_there_is_one():
     """The logged load_max_over_mean is drawn as logged (null: a gap); only a record without it takes max(share)."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": 1, "load_max_over_mean": [1.25, None], "tokens_per_expert": [[1, 3], [2, 2]]},
                {"step": 2, "tokens_per_expert": [[1, 3], [2, 2]]}]
@@ -1639,8 +1626,7 @@ def test_expert_load_draws_the_logged_load_where_there_is_one():
 
 def test_expert_load_without_counts_at_every_step_draws_the_load_alone(tmp_path):
     """tokens_per_expert logged at some steps only (a resumed run that turned it on): the max/mean heatmap alone."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": 1, "load_max_over_mean": [1.5]}, {"step": 2, "tokens_per_expert": [[1, 3]]}]
     steps, mom, per_layer = plot._load_matrix(records)
@@ -1653,8 +1639,7 @@ def test_expert_load_without_counts_at_every_step_draws_the_load_alone(tmp_path)
 
 def test_expert_load_heatmap_cells_are_centred_on_their_step_and_row(tmp_path):
     """One logged step: its column spans step +- 0.5; each row r spans r +- 0.5, under its y tick."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
     records = [{"step": 5, "tokens_per_expert": [[1, 3, 2], [2, 2, 2]]}]
@@ -1669,8 +1654,7 @@ def test_expert_load_heatmap_cells_are_centred_on_their_step_and_row(tmp_path):
 
 def test_expert_load_names_the_layers_by_the_last_record_that_logs_them(tmp_path):
     """moe_layers from the latest record that carries it (an older record may lack or predate the names)."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
     records = [{"step": 1, "load_max_over_mean": [1.5], "moe_layers": ["layer 0"]},
@@ -1682,8 +1666,7 @@ def test_expert_load_names_the_layers_by_the_last_record_that_logs_them(tmp_path
 
 def test_expert_share_heatmap_is_centred_on_uniform(tmp_path):
     """The shares' colour scale is fixed at [0, 2]: 1 (uniform) is the middle colour whatever the data's range."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
     records = [{"step": 1, "tokens_per_expert": [[1, 2, 3]]}]  # shares 0.5, 1, 1.5
@@ -1695,8 +1678,7 @@ def test_expert_share_heatmap_is_centred_on_uniform(tmp_path):
 
 def test_source_shares_skip_steps_without_tokens_and_sources_a_step_lacks():
     """A step whose sources counted no token is left out (no share of 0 / 0); a source a step lacks has share 0 there."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     records = [{"step": 1, "tokens_by_source": {"code": 0, "docs": 0}}, {"step": 2, "tokens_by_source": {"code": 30, "docs": 10}},
                {"step": 3, "tokens_by_source": {"code": 20}}]
@@ -1706,8 +1688,7 @@ def test_source_shares_skip_steps_without_tokens_and_sources_a_step_lacks():
 def test_health_norms_panel_stays_linear_unless_every_finite_value_is_positive(tmp_path):
     """Log scale only when every finite value is > 0: a zero gradient norm (a frozen step), or no finite value at all
     (a diverged run's nulls), keeps the panel linear."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
     zero = [{"step": s, "grad_norm": 0.0 if s == 1 else 1.0 / s, "param_norm": 40.0} for s in (1, 2, 3)]
@@ -1719,8 +1700,7 @@ def test_health_norms_panel_stays_linear_unless_every_finite_value_is_positive(t
 
 def test_health_panels_take_signals_logged_from_a_later_step_on(tmp_path):
     """energy_j_per_token (and any signal) first logged after step 1 still gets its panel."""
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
-    from fmoe.train import plot
+    plot = _plot()
 
     pyplot, Keeps, figures = _keeping_pyplot()
     records = [{"step": 1, "grad_norm": 1.0, "param_norm": 40.0},

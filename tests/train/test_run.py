@@ -1,6 +1,7 @@
 """fmoe.train.run.StopRequests: a signal or a time limit asks the loop to stop after its step.
 run_script: under torchrun a refusal is said by rank 0 alone, the others hold theirs back."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -652,6 +653,18 @@ def test_run_info_records_the_whole_command_line(monkeypatch):
     assert fmoe.train.run.run_info()["argv"] == ["scripts/train_moe.py", "--lr=0.01", "--steps=3"]
 
 
+@contextlib.contextmanager
+def _held_elsewhere(out_dir):
+    """An OutDirLock on out_dir held by another Python process while active; yields its pid."""
+    code = f"import sys; from fmoe.train.run import OutDirLock; lock = OutDirLock({str(out_dir)!r}); print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.communicate("", timeout=60)
+
+
 def test_an_out_dir_is_held_against_every_other_lock_and_its_holder_named(tmp_path):
     """A second OutDirLock (this process's, another's) is refused while the first holds it, naming another process's pid."""
     from fmoe.train.run import OutDirInUse, OutDirLock
@@ -662,15 +675,9 @@ def test_an_out_dir_is_held_against_every_other_lock_and_its_holder_named(tmp_pa
         OutDirLock(out)
     lock.release()
     other = tmp_path / "other"
-    code = (f"import sys; from fmoe.train.run import OutDirLock; lock = OutDirLock({str(other)!r}); print('held', flush=True); "
-            "sys.stdin.read()")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(OutDirInUse, match=rf"^--out_dir: {other} is in use: another run \(pid {holder.pid}\) is writing it"):
+    with _held_elsewhere(other) as pid:
+        with pytest.raises(OutDirInUse, match=rf"^--out_dir: {other} is in use: another run \(pid {pid}\) is writing it"):
             OutDirLock(other)
-    finally:
-        holder.communicate("", timeout=60)
     OutDirLock(other).release()  # its process ended: free again
 
 
@@ -835,19 +842,14 @@ def test_the_holder_named_is_the_flock_s_not_a_posix_lock_s(tmp_path):
     from fmoe.train.run import OutDirInUse, OutDirLock
 
     out = tmp_path / "run"
-    code = f"import sys; from fmoe.train.run import OutDirLock; lock = OutDirLock({str(out)!r}); print('held', flush=True); sys.stdin.read()"
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    fd = None
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with _held_elsewhere(out) as pid:
         fd = os.open(out, os.O_RDONLY)
-        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a POSIX read lock, listed before the flock
-        with pytest.raises(OutDirInUse, match=rf"another run \(pid {holder.pid}\) is writing it"):
-            OutDirLock(out)
-    finally:
-        if fd is not None:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a POSIX read lock, listed before the flock
+            with pytest.raises(OutDirInUse, match=rf"another run \(pid {pid}\) is writing it"):
+                OutDirLock(out)
+        finally:
             os.close(fd)
-        holder.communicate("", timeout=60)
 
 
 def test_a_rank_that_sees_rank_0_s_file_late_is_not_refused(two_ranks):
