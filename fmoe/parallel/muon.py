@@ -68,8 +68,9 @@ and written into the parameter by whichever comes first:
     - `wait()` (all) or `wait(params)`: the explicit call;
     - with `model=`: a forward pre-hook, registered with prepend=True on the module that
       FSDP manages the parameter with (its nearest ancestor, itself included, that is an
-      FSDPModule; else the module that holds the parameter), so that the update lands just
-      before FSDP's own pre-forward all-gathers the new shards; also model.state_dict() and
+      FSDPModule; else the module that holds the parameter; each of them for a parameter
+      tied to several modules), so that the update lands just before FSDP's own pre-forward
+      all-gathers the new shards; also model.state_dict() and
       model.load_state_dict() (pre-hooks), so DCP checkpoints see written parameters and a
       load is not overwritten by a late update;
     - the next `step()`, `state_dict()` and `load_state_dict()` of this optimizer.
@@ -299,15 +300,17 @@ class DistributedMuon(torch.optim.Optimizer):
         self._owner.update({p: owners.get(p) for p in params})
         self._plans.update(plans)
         params_of: dict[nn.Module, list[torch.Tensor]] = {}
-        for p, module in managers.items():
+        for p, modules in managers.items():
             if owners.get(p) is not None:  # local parameters are written in step()
-                params_of.setdefault(module, []).append(p)
+                for module in modules:
+                    params_of.setdefault(module, []).append(p)
         for module, owned in params_of.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(owned), prepend=True))
 
-    def _managers(self, params: list[torch.Tensor]) -> dict[torch.Tensor, nn.Module]:
-        """param -> the module of self._model whose forward pre-hook writes its update (its
-        nearest FSDPModule ancestor, itself included, else the module holding it)."""
+    def _managers(self, params: list[torch.Tensor]) -> dict[torch.Tensor, list[nn.Module]]:
+        """param -> the modules of self._model whose forward pre-hooks write its update: for
+        each module holding it (a tied parameter has several, and the first to run need not be
+        the first registered), its nearest FSDPModule ancestor, itself included, else itself."""
         modules = dict(self._model.named_modules(remove_duplicate=False))
 
         def manager(path: str) -> Optional[nn.Module]:  # the nearest FSDPModule ancestor, itself included
@@ -319,8 +322,11 @@ class DistributedMuon(torch.optim.Optimizer):
         manager_of = {}
         for name, module in modules.items():
             for p in module.parameters(recurse=False):
-                if id(p) in wanted and p not in manager_of:
-                    manager_of[p] = manager(name) or module
+                if id(p) not in wanted:
+                    continue
+                holder, holders = manager(name) or module, manager_of.setdefault(p, [])
+                if not any(m is holder for m in holders):
+                    holders.append(holder)
         missing = [tuple(p.shape) for p in params if p not in manager_of]
         if missing:
             raise ValueError(f"model: parameters of shapes {missing} are not parameters of the model")

@@ -89,6 +89,18 @@ class Block(nn.Module):
         return h + self.up(torch.tanh(self.mid(h)))
 
 
+class Tied(nn.Module):
+    """One matrix in two modules: `late`, registered first, runs second."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.early = Linear(6, 6), Linear(6, 6)
+        self.early.weight = self.late.weight
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.early(x)))
+
+
 class Toy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -334,6 +346,16 @@ def _bad_layouts(meshes) -> dict:
             messages[name] = "no error"
         except ValueError as e:
             messages[name] = str(e)
+    if meshes.dense.size() == 4:  # rows [0, 2) | [1, 2) | [3, 5) | empty of 5: they overlap, and reach the last row
+        mesh = meshes.dense["dp_replicate", "dp_shard"]
+        rows = {(0, 0): 2, (0, 1): 1, (1, 0): 2, (1, 1): 0}[tuple(mesh.get_coordinate())]
+        p = nn.Parameter(DTensor.from_local(torch.zeros(rows, 2), mesh, [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
+                                            shape=torch.Size((5, 2)), stride=(2, 1)))
+        try:
+            DistributedMuon([p])
+            messages["strided uneven"] = "no error"
+        except ValueError as e:
+            messages["strided uneven"] = str(e)
     # the plain Muon on an FSDP2 shard: named, and pointed to DistributedMuon (it named no parameter and no way out)
     shard = nn.Parameter(DTensor.from_local(torch.zeros(2, 4), meshes.batch["dp"], [Shard(0)], run_check=False,
                                             shape=torch.Size((2 * meshes.batch["dp"].size(), 4)), stride=(4, 1)))
@@ -396,6 +418,52 @@ def _rules(rank, world) -> dict:
     return out
 
 
+def _edge_data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
+
+
+def _edges(rank, world) -> dict:
+    """On the world's 1-D mesh: a DTensor replicated over its whole mesh and two plain
+    matrices (one table, 24 elements each); wait([a]) after a step, then state_dict(); and a
+    model.state_dict() after remove_hooks() with an update in flight."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    w0, grads = _edge_data()
+    mesh = init_device_mesh("cpu", (world,))
+    params = [nn.Parameter(distribute_tensor(w0[0].clone(), mesh, [Replicate()])), nn.Parameter(w0[1].clone()), nn.Parameter(w0[2].clone())]
+    opt = DistributedMuon(params, lr=0.1, ns_dtype=torch.float32)
+    for p, grad in zip(params, grads):
+        p.grad = distribute_tensor(grad.clone(), mesh, [Replicate()]) if isinstance(p, DTensor) else grad.clone()
+    opt.step()
+    out = dict(owners=[opt.owner_of(p) for p in params])
+    opt.wait([params[1]])
+    out["pending after wait([a])"] = [i for i, p in enumerate(params) if any(p is q for q in opt.pending)]
+    opt.state_dict()
+    out["pending after state_dict"] = len(opt.pending)
+    out["params"] = [_full(p) for p in params]
+    model = nn.Linear(6, 4, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(w0[0].clone(), mesh, [Shard(0)]))
+    opt = DistributedMuon([model.weight], lr=0.1, ns_dtype=torch.float32, model=model)
+    opt.remove_hooks()
+    model.weight.grad = distribute_tensor(grads[0].clone(), mesh, [Shard(0)])
+    opt.step()
+    model.state_dict()
+    out["pending after model.state_dict() without hooks"] = len(opt.pending)
+    opt.wait()
+    torch.manual_seed(0)
+    tied = Tied()
+    opt = DistributedMuon(list(tied.parameters()), lr=0.1, ns_dtype=torch.float32, model=tied)
+    tied(grads[0]).sum().backward()
+    opt.step()
+    seen = []
+    tied.early.register_forward_pre_hook(lambda module, args: seen.append(module.weight.detach().clone()))
+    tied(grads[0])
+    opt.wait()
+    out["tied: the module that runs first sees the update"] = torch.equal(seen[0], tied.early.weight.detach())
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     import fmoe.parallel.muon as distributed_muon
 
@@ -414,6 +482,7 @@ def _worker(rank: int, world: int) -> dict:
         nothing_owned=_nothing_owned(rank, world, meshes),
         bad_layouts=_bad_layouts(meshes),
         rules=_rules(rank, world),
+        edges=_edges(rank, world),
     )
     return out
 
@@ -570,7 +639,37 @@ def test_bad_layouts_are_refused(spawned):
         assert messages["plain muon"].startswith("params[0] (blocks.0.attn.wq): a DTensor of shape (") and "sharded over a matrix dim" in messages["plain muon"] \
             and "fmoe.parallel.DistributedMuon gathers them under FSDP2" in messages["plain muon"], messages["plain muon"]
         if size == 4:
-            assert "params" in messages["strided"] and "not blocks" in messages["strided"]
+            for name in ("strided", "strided uneven"):
+                assert messages[name].startswith("params: a DTensor whose local shards are not blocks of the matrix"), messages[name]
+
+
+def test_replicated_dtensors_and_plain_matrices_are_owned_and_waited_per_parameter(spawned):
+    """A DTensor replicated over its whole mesh is owned by one rank, as plain matrices are,
+    in the world's table: rank 0, then plain a to rank 1 (broadcast from it), b to the next
+    least loaded; wait([a]) completes a only, state_dict() the rest; Muon's results."""
+    size, results = spawned
+    w0, grads = _edge_data()
+    ref = [nn.Parameter(w.clone()) for w in w0]
+    for p, grad in zip(ref, grads):
+        p.grad = grad.clone()
+    Muon(ref, lr=0.1, ns_dtype=torch.float32).step()
+    for rank, result in enumerate(results):
+        edges = result["edges"]
+        assert edges["owners"] == [0, 1, 0 if size == 2 else 2], (rank, edges["owners"])
+        assert edges["pending after wait([a])"] == [0, 2] and edges["pending after state_dict"] == 0, (rank, edges)
+        assert all(torch.equal(got, want.detach()) for got, want in zip(edges["params"], ref)), rank
+
+
+def test_a_tied_matrix_is_written_before_whichever_of_its_modules_runs_first(spawned):
+    size, results = spawned
+    for rank, result in enumerate(results):
+        assert result["edges"]["tied: the module that runs first sees the update"], rank
+
+
+def test_after_remove_hooks_a_model_state_dict_leaves_the_update_in_flight(spawned):
+    size, results = spawned
+    for rank, result in enumerate(results):
+        assert result["edges"]["pending after model.state_dict() without hooks"] == 1, rank
 
 
 # ----------------------------------------------------------------------------------------
@@ -714,3 +813,76 @@ def test_named_parameters_and_loaded_groups_are_checked_as_muon_s():
     with pytest.raises(ValueError, match=r"^state_dict: param group 0: lr: expected a number \(a tensor lr"):
         ref.load_state_dict(saved)
     assert type(ref.param_groups[0]["lr"]) is float
+
+
+def test_a_world_of_one_rank_updates_every_matrix_in_step(one_rank_mesh):
+    """One rank: a plain matrix and a DTensor on the one-rank mesh are local (no owner),
+    written by step() itself with nothing left for wait(), as Muon writes them."""
+    g = torch.Generator().manual_seed(4)
+    w0, grads = torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 3, generator=g)
+    plain, sharded = nn.Parameter(w0[0].clone()), nn.Parameter(distribute_tensor(w0[1].clone(), one_rank_mesh, [Shard(0)]))
+    plain.grad, sharded.grad = grads[0].clone(), distribute_tensor(grads[1].clone(), one_rank_mesh, [Shard(0)])
+    opt = DistributedMuon([plain, sharded], lr=0.1, ns_dtype=torch.float32)
+    opt.step()
+    assert [opt.owner_of(plain), opt.owner_of(sharded)] == [None, None] and not opt.pending
+    ref = [nn.Parameter(w.clone()) for w in w0]
+    for p, grad in zip(ref, grads):
+        p.grad = grad.clone()
+    Muon(ref, lr=0.1, ns_dtype=torch.float32).step()
+    assert torch.equal(plain.detach(), ref[0].detach()) and torch.equal(sharded.full_tensor(), ref[1].detach())
+
+
+def test_closure_and_params_without_grad():
+    """step(closure) runs the closure with grad enabled and returns its loss; B, which the
+    loss does not reach (grad None), keeps its value and gets no momentum."""
+    g = torch.Generator().manual_seed(7)
+    A0, B0, target = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    A, B = nn.Parameter(A0.clone()), nn.Parameter(B0.clone())
+    opt = DistributedMuon([A, B], lr=0.1, ns_dtype=torch.float32)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((A - target) ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert float(loss.detach()) == float(((A0 - target) ** 2).sum())
+    assert torch.equal(B.detach(), B0) and B not in opt.state
+    reference = nn.Parameter(A0.clone())
+    reference.grad = 2 * (A0 - target)
+    Muon([reference], lr=0.1, ns_dtype=torch.float32).step()
+    assert torch.equal(A.detach(), reference.detach())
+
+
+def test_ns_steps_reaches_newton_schulz():
+    w = nn.Parameter(torch.zeros(6, 4))
+    w.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    DistributedMuon([w], lr=1.0, momentum=0.0, ns_steps=2, ns_dtype=torch.float32).step()
+    expected = -shape_scale(w.shape, "moonlight") * newton_schulz(w.grad, steps=2, dtype=torch.float32)
+    assert torch.equal(w.detach(), expected)
+
+
+def test_remove_hooks_forgets_the_model():
+    """Groups added after remove_hooks() are neither hooked nor checked against the model."""
+    model = nn.Linear(3, 3, bias=False)
+    opt = DistributedMuon([model.weight], model=model)
+    opt.remove_hooks()
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 3))]})
+    assert len(opt.param_groups) == 2
+
+
+def test_loaded_momentum_buffers_have_their_own_storage():
+    """An optimizer loaded from another's in-memory state_dict() does not step the other's
+    momentum buffer."""
+    w = nn.Parameter(torch.ones(3, 4))
+    w.grad = torch.ones(3, 4)
+    opt = DistributedMuon([w], lr=0.1)
+    opt.step()
+    fresh_w = nn.Parameter(torch.ones(3, 4))
+    fresh = DistributedMuon([fresh_w], lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    fresh_w.grad = torch.ones(3, 4)
+    fresh.step()
+    assert torch.equal(opt.state[w]["momentum_buffer"], torch.ones(3, 4))
+    assert torch.equal(fresh.state[fresh_w]["momentum_buffer"], torch.full((3, 4), 1.95))
