@@ -1,9 +1,10 @@
 """fmoe.parallel.Pipeline (torch.distributed.pipelining) on the reference model: pp stages,
 alone and with FSDP2 and EP inside each stage, with every schedule we offer, give the
 one-process losses, gradients (the tied embedding's included), grad norm, parameter norm,
-zero-gradient count and expert loads (gloo, float32, MTP on, sequence aux loss and z-loss
-on); the split and the schedules' constraints give ValueErrors naming the knob. One
-spawned process group per world size runs every case of that size."""
+zero-gradient count and expert loads (gloo, float32, sequence aux loss and z-loss on, MTP on
+but in the hyper-connection and tied-embedding cases), and evaluate's LM loss sums; the split and the
+schedules' constraints give ValueErrors naming the knob. One spawned process group per world
+size runs every case of that size."""
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _loss_fn(valid, n_layers_moe, n_micro):
     def loss_fn(losses, stats, batch, model):
         loss, logged = None, {}
         if losses is not None:
-            loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / valid
+            loss = (losses["lm_sum"] + (0.1 * losses["mtp_1_sum"] if "mtp_1_sum" in losses.keys() else 0.0)) / valid
             logged["lm_sum"] = losses["lm_sum"].detach()
         if len(stats.keys()):
             cu = batch["cu_seqlens"]
@@ -121,19 +122,28 @@ def _case(sizes, schedule, virtual, overrides):
     ref_pnorm = sum(float(p.detach().double().square().sum()) for p in ref.parameters()) ** 0.5
     errors["param_norm"] = abs(float(pnorm) - ref_pnorm) / ref_pnorm
     zeros = zero_grad_count(counted, group=meshes.stage_mesh, pp_group=meshes.pp_mesh, copies=copies)
-    ref_zeros = sum(int((g == 0).sum()) for g in ref_grads.values())  # embedding rows of unseen tokens, at least
-    errors["zero_grad_count"] = float(int(zeros) != ref_zeros or ref_zeros == 0)
+    ref_zeros = sum(int((g == 0).sum()) for g in ref_grads.values())  # embedding rows of unseen tokens, at least (untied)
+    errors["zero_grad_count"] = float(int(zeros) != ref_zeros or (ref_zeros == 0 and not cfg.tie_embeddings))
     # the split is printable and covers every layer once
     errors["layers"] = float([i for r in pipe.layers for i in r] != list(range(cfg.n_layers)))
+    # forward only: one LM loss sum per micro-batch, on the ranks of the last stage
+    mine = batches[dp_rank::dp]
+    got = pipe.evaluate([MicroBatch(b) for b in mine])
+    if any(c.pipeline_chunk.last for c in pipe.chunks):
+        with torch.no_grad():
+            want = torch.stack([ref(b, ref.context(b))[0]["lm_sum"] for b in mine])
+        errors["evaluate"] = float((got - want).abs().max() / want.abs().max())
+    else:
+        errors["evaluate_none_off_the_last_stage"] = float(got is not None)
     # the last stage's embedding copy is the first stage's, bit for bit; one flipped bit on
     # one rank of the copy is seen on every rank
     errors["tied_copies_agree"] = float(pipe.tied_mismatches() != [])
-    copy = [c for c in pipe.chunks if c.pipeline_chunk.last and not c.pipeline_chunk.first]
+    copy = [c for c in pipe.chunks if c.pipeline_chunk.last and not c.pipeline_chunk.first and c.embed is not None]
     if copy and meshes.batch.get_local_rank("dp") == 0:
         with torch.no_grad():
             local = copy[0].embed.to_local() if hasattr(copy[0].embed, "to_local") else copy[0].embed
             local.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
-    errors["tied_copy_flip_seen"] = float(pipe.tied_mismatches() != ["embed"])
+    errors["tied_copy_flip_seen"] = float(pipe.tied_mismatches() != (["embed"] if cfg.mtp_depth or cfg.tie_embeddings else []))
     return errors
 
 
@@ -178,6 +188,10 @@ def _refusals():
     short = make_batch(torch.arange(16) % TINY["vocab_size"], torch.tensor([0, 16]), 1)  # 16 tokens, not T
     errors["other_token_count_refused"] = refused(lambda: pipe.step([MicroBatch(batches[0]), MicroBatch(short)]),
                                                   "micro_batches[1]: expected 24 token ids (the Pipeline's tokens), got shape (16,)")
+    wide = batches[1].clone()
+    wide["input_ids"] = wide["input_ids"].view(T, 1)
+    errors["token_ids_of_two_dims_refused"] = refused(lambda: pipe.step([MicroBatch(batches[0]), MicroBatch(wide)]),
+                                                      "micro_batches[1]: expected 24 token ids (the Pipeline's tokens), got shape (24, 1)")
     errors["raw_batches_refused"] = refused(lambda: pipe.step(batches), "micro_batches[0]: expected a fmoe.parallel.MicroBatch, got TensorDict")
     # a batch the model refuses (no MTP rows; cut into cp shares for a model that is not context parallel): on every rank before
     # the schedule (the stage holding the model's check raised inside it; the other stages saw a closed connection)
@@ -248,19 +262,22 @@ def _padding():
     every collective) adds nothing: the gradients and the logged loss are those of the real
     micro-batches alone (with its loss counted, the gradients were 1.2-1.3 off, relative)."""
     from fmoe.model import TransformerConfig
-    from fmoe.parallel import MicroBatch, Pipeline, all_reduce_sums, build_meshes, materialize, parallelize
+    from fmoe.parallel import MicroBatch, Pipeline, all_reduce_counts, all_reduce_sums, build_meshes, materialize, parallelize
 
     cfg = TransformerConfig(**TINY)
     meshes = build_meshes(pp=2)
     batches = _batches(2)
     valid = sum(int(b["loss_mask"].sum()) for b in batches)
-    ref, names, ref_lm, _, _ = _reference(cfg, batches, valid, 2)
+    ref, names, ref_lm, _, ref_counts = _reference(cfg, batches, valid, 2)
     pipe = Pipeline(cfg, meshes, schedule="gpipe", virtual=1, loss_fn=_loss_fn(valid, len(names), 2), tokens=T, device="cpu",
                     dtype=torch.float32, parallelize=lambda m: parallelize(m, meshes), materialize=lambda m: materialize(m, "cpu", seed=0))
-    logged, _ = pipe.step([MicroBatch(batches[0]), MicroBatch(batches[1]), MicroBatch(batches[1], padding=True)])
+    logged, counts = pipe.step([MicroBatch(batches[0]), MicroBatch(batches[1]), MicroBatch(batches[1], padding=True)])
     pipe.sync_tied_grads()
     lm = float(all_reduce_sums({"lm": logged.get("lm_sum", torch.zeros(()))}, dist.group.WORLD)["lm"])
     errors = {"lm_loss": abs(lm - ref_lm) / ref_lm}
+    counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_experts)
+    for name in names:
+        errors[f"{name}.counts"] = float((counts[name] - ref_counts[name]).abs().sum())
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for chunk in pipe.chunks:
         for name, p in chunk.named_parameters():
@@ -292,6 +309,10 @@ CASES = {
     # one trunk layer per stage: the middle stages' balancing losses reach their routers
     # only through attach_loss; MTP and the embedding copy on the last
     "pp4": (4, dict(pp=4), "1f1b", 1, {}),
+    # hyper-connections: the n streams [T, n H] between the stages, collapsed by hc_head on the last
+    "gpipe-hyper-connections": (2, dict(pp=2), "gpipe", 1, dict(n_layers=2, hyper_connections=3, mtp_depth=0)),
+    # tied embeddings without MTP: the last stage's head is its copy of the embedding, its gradient summed with the first stage's
+    "1f1b-tied-embeddings": (2, dict(pp=2), "1f1b", 1, dict(n_layers=2, tie_embeddings=True, mtp_depth=0)),
 }
 
 
@@ -344,6 +365,13 @@ def test_stage_layers_split_evenly_or_as_asked():
     pytest.param(lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("interleaved_1f1b", 2, 0, 2), r"pp: expected >= 1, got 0",
                  id="interleaved pp 0"),
     (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule(["1f1b"], 1), r"pp_schedule: expected one of .*, got \['1f1b'\]"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(True, 1), r"n_layers: expected a positive int, got True"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(2, 3), r"pp: 3 pipeline stages \(pp x pp_virtual\) for 2 trunk layers"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(4, 2, [1, 1, 2]), r"layers_per_stage: expected 2 positive ints .* got \[1, 1, 2\]"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(4, 2, [True, 3]), r"layers_per_stage: expected 2 positive ints .* got \[True, 3\]"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("1f1b", True), r"pp_virtual: expected a positive int, got True"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("gpipe", 0, 2), r"batch_schedule: expected at least one micro-batch .* got 0"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("gpipe", True, 2), r"batch_schedule: expected at least one micro-batch .* got True"),
 ])
 def test_bad_splits_and_schedules_name_the_knob(call, message):
     with pytest.raises(ValueError, match=message):
@@ -363,6 +391,10 @@ def _chunk(*fields):
     (_chunk(0, 2.0, range(0, 2)), r"chunk: expected an int n_stages, got 2.0"),
     (_chunk(0, 2, [0, 1]), r"chunk: expected a non-empty range of consecutive layers within range\(4\), got \[0, 1\]"),  # was an AttributeError
     ((0, 2, range(0, 2)), r"chunk: expected a fmoe.model.PipelineChunk, got tuple"),
+    (_chunk(0, 2, range(-1, 2)), r"chunk: expected a non-empty range of consecutive layers within range\(4\), got range\(-1, 2\)"),
+    (_chunk(1, 2, range(2, 5)), r"chunk: expected a non-empty range of consecutive layers within range\(4\), got range\(2, 5\)"),
+    (_chunk(0, 2, range(0, 4, 2)), r"chunk: expected a non-empty range of consecutive layers within range\(4\), got range\(0, 4, 2\)"),
+    (_chunk(1, 2, range(2, 2)), r"chunk: expected a non-empty range of consecutive layers within range\(4\), got range\(2, 2\)"),
 ])
 def test_pipeline_chunk_refuses_a_chunk_outside_the_pipeline(chunk, message):
     from fmoe.model import Transformer, TransformerConfig
@@ -402,6 +434,42 @@ def _pipeline(**changed):
 def test_pipeline_names_a_bad_argument_before_building_a_stage(changed, message):
     with pytest.raises(ValueError, match=message):
         _pipeline(**changed)
+
+
+@pytest.mark.parametrize("n_layers, layers_per_stage, message", [
+    (2, None, r"pp: 2 pipeline stages \(pp x pp_virtual\) for 1 shortcut pairs of blocks \(shortcut_moe\)"),
+    # the default split keeps pairs whole ([4, 2]; an even [3, 3] cut the pair of blocks 2 and 3): the next check is reached
+    (6, None, r"tokens: expected >= 1, got 0"),
+    (6, [3, 3], r"chunk: blocks 2 and 3 are a shortcut pair \(shortcut_moe\)"),
+])
+def test_pipeline_splits_whole_shortcut_pairs(n_layers, layers_per_stage, message):
+    from fmoe.model import TransformerConfig
+
+    cfg = TransformerConfig(**{**TINY, "n_layers": n_layers, "n_dense": 0, "shortcut_moe": True, "mtp_depth": 0})
+    with pytest.raises(ValueError, match=message):
+        _pipeline(cfg=cfg, tokens=0, layers_per_stage=layers_per_stage)
+
+
+def test_interleaved_1f1b_takes_fewer_micro_batches_than_stages_and_any_count_of_one_round():
+    from fmoe.parallel import check_micro_batches
+
+    for n in (1, 2, 3, 4, 6):
+        assert check_micro_batches("interleaved_1f1b", n, 2, 2) is None
+    assert check_micro_batches("1f1b", 2, 2) is None and check_micro_batches("gpipe", 1, 4) is None
+
+
+def test_the_last_stage_refuses_a_loss_fn_without_a_loss():
+    from fmoe.model import PipelineChunk, Transformer, TransformerConfig
+    from fmoe.parallel import MicroBatch, pipeline_chunk
+    from fmoe.parallel.pipeline import StageModule
+
+    cfg = TransformerConfig(**{**TINY, "n_layers": 2})
+    model = Transformer(cfg)
+    model.reset_parameters(seed=0)
+    module = StageModule(pipeline_chunk(model, PipelineChunk(1, 2, range(1, 2))), lambda losses, stats, batch, model: (None, {}))
+    module.micro_batches = [MicroBatch(_batches(1)[0])]
+    with pytest.raises(ValueError, match="loss_fn: returned no loss on the last stage"):
+        module(torch.zeros(T, cfg.hidden), micro_batch=torch.tensor([0]))
 
 
 def test_stage_layers_names_sizes_that_are_not_a_sequence():
@@ -478,3 +546,12 @@ def test_pruned_chunks_keep_the_whole_models_names():
         stages = [{n for n, _ in pipeline_chunk(Transformer(cfg), PipelineChunk(s, 2, layers)).named_parameters()}
                   for s, layers in enumerate([range(0, 2), range(2, 4)])]
     assert "pos_embed" in stages[0] and "pos_embed" not in stages[1]
+    # tied embeddings: the last stage's head is its embedding copy; hyper-connections' hc_head and the head's bias on the last stage alone
+    for changed, last_only in ((dict(tie_embeddings=True), ()), (dict(hyper_connections=3), ("hc_head.",)), (dict(head_bias=True), ("head", "head_bias"))):
+        cfg = TransformerConfig(**dict(TINY, mtp_depth=0, **changed))
+        with torch.device("meta"):
+            stages = [{n for n, _ in pipeline_chunk(Transformer(cfg), PipelineChunk(s, 2, layers)).named_parameters()}
+                      for s, layers in enumerate([range(0, 2), range(2, 4)])]
+        assert stages[0] & stages[1] == ({"embed"} if "tie_embeddings" in changed else set())
+        for prefix in last_only:
+            assert any(n.startswith(prefix) for n in stages[1]) and not any(n.startswith(prefix) for n in stages[0])
