@@ -234,7 +234,7 @@ def _cp_worker(rank, world):
     out["gather cp=2"] = _gather_case(cp2, 2, rank % 2, 12, 8 + rank // 2)
     counts = torch.tensor([1, 2, 3]) * (rank + 1)
     out["sum counts"] = (ContextParallel(cp4).sum_counts(counts), ContextParallel(cp4).sum_counts(counts.double() / 4))
-    out["capacity drop"] = _capacity_drop_case(rank)
+    out["capacity drop"], out["capacity drop repr"] = _capacity_drop_case(rank)
     return out
 
 
@@ -259,7 +259,7 @@ def _capacity_drop_case(rank):
         got = drop(Routes(weights[rows], experts[rows]), E, 1.0, policy=policy)
         whole = drop_by_capacity(Routes(weights, experts), E, 1.0, policy=policy)
         out[policy] = (got.experts, whole.experts[rows], int((whole.experts == -1).sum()))
-    return out
+    return out, (repr(drop), repr(ContextCapacityDrop(mesh["cp"])))
 
 
 def test_sum_counts_adds_every_cp_rank_s_counts(cp_results):
@@ -275,6 +275,7 @@ def test_capacity_drop_over_cp_and_tp_drops_the_slots_one_process_drops(cp_resul
     for rank, result in enumerate(cp_results):
         for policy, (got, want, dropped) in result["capacity drop"].items():
             assert dropped > 0 and torch.equal(got, want), (rank, policy, got, want)
+        assert result["capacity drop repr"] == ("ContextCapacityDrop(cp=2, tp=2)", "ContextCapacityDrop(cp=2, tp=1)")
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +380,12 @@ def test_gather_kv_on_one_rank_is_the_identity():
         gather_kv(k, v[:3], None)
     with pytest.raises(ValueError, match="k: expected a float tensor"):
         gather_kv(k.long(), v, None)
+    with pytest.raises(ValueError, match=r"k: expected a float tensor \[T/cp, G, D\], got torch.Size\(\[4\]\)"):
+        gather_kv(torch.randn(4), torch.randn(4), None)
+    with pytest.raises(ValueError, match=r"v: expected k's leading dims \(4, 2\), dtype torch.float32 and device cpu, got \(4, 2, 3\) torch.float64 cpu"):
+        gather_kv(k, v.double(), None)
+    with pytest.raises(ValueError, match=r"v: expected k's leading dims \(4, 2\), dtype torch.float32 and device cpu, got \(4, 2, 3\) torch.float32 meta"):
+        gather_kv(k, v.to("meta"), None)
 
 
 # ---------------------------------------------------------------------------- the split
@@ -413,6 +420,31 @@ def test_bad_sizes_are_refused_not_padded():
         split_batch(make_batch(torch.arange(10), torch.tensor([0, 10])), 0, 2)
     with pytest.raises(ValueError, match=r"batch: expected a mapping of make_batch's entries \(a dict or TensorDict\), got NoneType"):
         split_batch(None, 0, 2)  # was an AttributeError
+
+
+def test_cp_token_index_of_no_tokens_is_empty_and_negative_counts_are_refused():
+    assert cp_token_index(0, 2, 1).tolist() == [] and cp_kv_index(0, 2).tolist() == []
+    with pytest.raises(ValueError, match="n_tokens: expected >= 0, got -4"):
+        cp_token_index(-4, 2, 0)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_split_s_indices_live_on_the_batch_s_device(cp):
+    assert all(cp_token_index(16, cp, r, device="meta").device.type == "meta" for r in range(cp))
+    assert cp_kv_index(16, cp, device="meta").device.type == "meta"
+    batch = make_batch(torch.arange(16), torch.tensor([0, 16]), mtp_depth=1)
+    local = split_batch({k: v.to("meta") for k, v in batch.items()}, cp - 1, cp)
+    assert local["token_index"].device.type == "meta" and local["mtp_labels"].shape == (1, 16 // cp)
+
+
+def test_split_batch_refuses_entries_that_are_not_per_token():
+    batch = make_batch(torch.arange(16), torch.tensor([0, 16]))
+    with pytest.raises(ValueError, match="batch: expected make_batch's entries, missing 'input_ids'"):
+        split_batch({"cu_seqlens": batch["cu_seqlens"], "labels": batch["labels"]}, 0, 2)
+    with pytest.raises(ValueError, match=r"batch\['input_ids'\]: expected a 1-D tensor \[T\], got torch.Size\(\[2, 16\]\)"):
+        split_batch(dict(batch.items(), input_ids=batch["input_ids"].repeat(2, 1)), 0, 2)
+    with pytest.raises(ValueError, match=r"batch\['n_docs'\]: expected a per-token tensor whose last dim is T = 16, got torch.Size\(\[\]\)"):
+        split_batch(dict(batch.items(), n_docs=torch.tensor(1)), 0, 2)
 
 
 @pytest.mark.parametrize("padding", [0, 4])
@@ -558,6 +590,72 @@ def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
     assert conv_halo(x, 0, one_rank_mesh).shape == (2, 0, 3)  # one tap: nothing before a chunk
     with pytest.raises(ValueError, match=r"tokens_per_micro_batch: each cp chunk \(T / \(2 cp\) = 4 tokens\) must hold the 5 tokens"):
         conv_halo(x, 5, one_rank_mesh)
+
+
+def test_cp_ops_refuse_a_2d_mesh_and_malformed_inputs(one_rank_mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fmoe.parallel import conv_halo
+
+    mesh_2d = DeviceMesh("cpu", torch.arange(1).view(1, 1), mesh_dim_names=("dp", "cp"))
+    q, k, v, g, beta = (t.detach() for t in _rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0))
+    u, dt, b, c, A = torch.randn(1, 8, 5), torch.rand(1, 8, 5), torch.randn(1, 8, 3), torch.randn(1, 8, 3), -torch.rand(5, 3)
+    cu, x = torch.tensor([0, 3, 8]), torch.arange(24.0).view(8, 3)
+    with pytest.raises(ValueError, match=r"^cp_mesh: expected a 1-D DeviceMesh \(the cp axis\) or None, got a 2-D DeviceMesh"):
+        gather_kv(k[0], v[0], mesh_2d)
+    for call in (lambda m: gated_delta_rule_cp(q, k, v, g, beta, cu, m), lambda m: gated_linear_attention_cp(q, k, v, g, cu, m),
+                 lambda m: selective_scan_cp(u, dt, A, b, c, cu, m), lambda m: conv_halo(x, 2, m)):
+        with pytest.raises(ValueError, match=r"^cp_mesh: expected a 1-D DeviceMesh \(the cp axis\), got a 2-D DeviceMesh"):
+            call(mesh_2d)
+    for mesh in ("cp", mesh_2d):
+        with pytest.raises(ValueError, match=r"^cp_mesh: expected a 1-D DeviceMesh, got "):
+            ContextParallel(mesh)
+    with pytest.raises(ValueError, match=r"^q: expected this rank's \[1, T/cp, N, Dk\], got torch.Size\(\[2, 8, 2, 4\]\)"):
+        gated_delta_rule_cp(*(t.expand(2, -1, -1, *t.shape[3:]) for t in (q, k, v, g, beta)), cu, one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^u: expected this rank's \[1, T/cp, C\], got torch.Size\(\[2, 8, 5\]\)"):
+        selective_scan_cp(u.expand(2, -1, -1), dt.expand(2, -1, -1), A, b.expand(2, -1, -1), c.expand(2, -1, -1), cu, one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected a 1-D tensor \[n_docs \+ 1\], got shape \(1, 3\)"):
+        gated_delta_rule_cp(q, k, v, g, beta, cu[None], one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected a 1-D tensor \[n_docs \+ 1\], got shape \(1, 3\)"):
+        selective_scan_cp(u, dt, A, b, c, cu[None], one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^n: expected >= 0, got -1"):
+        conv_halo(x, -1, one_rank_mesh)
+    with pytest.raises(ValueError, match=r"^x: expected a tensor \[T/cp, C\], got torch.Size\(\[8, 3, 1\]\)"):
+        conv_halo(x[..., None], 2, one_rank_mesh)
+    # a halo of a whole chunk (n = T / (2 cp)) is allowed: zeros, then all of chunk 0
+    halo = conv_halo(x, 4, one_rank_mesh)
+    assert torch.equal(halo[0], torch.zeros(4, 3)) and torch.equal(halo[1], x[:4])
+    from fmoe.parallel import ContextCapacityDrop
+
+    with pytest.raises(ValueError, match=r"^tp_mesh: expected a 1-D DeviceMesh, got 'tp'"):
+        ContextCapacityDrop(one_rank_mesh, "tp")
+
+
+def test_the_rule_over_one_rank_returns_v_s_dtype(one_rank_mesh):
+    q, k, v, g, beta = (t.detach().bfloat16() for t in _rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0))
+    cu = torch.tensor([0, 3, 8])
+    assert gated_delta_rule_cp(q, k, v, g, beta, cu, one_rank_mesh, chunk_size=2).dtype == torch.bfloat16
+    assert gated_linear_attention_cp(q, k, v, g, cu, one_rank_mesh, chunk_size=2).dtype == torch.bfloat16
+
+
+def test_context_parallel_on_one_rank_passes_options_and_devices_on(one_rank_mesh):
+    split = ContextParallel(one_rank_mesh)
+    assert repr(split) == "ContextParallel(cp=1)"
+    index = split.token_index(4, device="meta")
+    assert index.device.type == "meta" and split.token_index(4).tolist() == [0, 1, 2, 3]
+    assert split.attention_kwargs(torch.arange(8, device="meta"))["kv_index"].device.type == "meta"
+    q, k, v, g, beta = (t.detach() for t in _rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0))
+    up = g.clone()
+    up[0, 5, 1] = 0.5  # a value the ops' check refuses; check=False reaches the op
+    cu = torch.tensor([0, 8])
+    assert split.gated_delta_rule(q, k, v, up, beta, cu, check=False).shape == (1, 8, 2, 5)
+    assert split.gated_linear_attention(q, k, v, up, cu, check=False).shape == (1, 8, 2, 5)
+    u, dt, b, c, A = torch.randn(1, 8, 5), torch.rand(1, 8, 5), torch.randn(1, 8, 3), torch.randn(1, 8, 3), -torch.rand(5, 3)
+    assert split.selective_scan(u, -dt, A, b, c, cu, check=False).shape == (1, 8, 5)
+    for method, args in (("gated_delta_rule", (q, k, v, up, beta, cu)), ("gated_linear_attention", (q, k, v, up, cu)),
+                         ("selective_scan", (u, -dt, A, b, c, cu))):
+        with pytest.raises(ValueError, match=r"^(g|dt): expected"):
+            getattr(split, method)(*args)
 
 
 @pytest.mark.gpu
