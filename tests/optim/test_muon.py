@@ -173,14 +173,17 @@ def test_weight_decay_is_decoupled_and_update_ignores_gradient_scale():
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
 
 
-def test_closure_and_params_without_grad():
+@pytest.mark.parametrize("optimizer", ["Muon", "DistributedMuon"])
+def test_closure_and_params_without_grad(optimizer):
     """step(closure) runs the closure with grad enabled and returns its loss; B, which the
     loss does not reach (grad None), keeps its value and gets no momentum; A steps exactly
-    as a Muon over A alone given the same gradient."""
+    as a Muon over A alone given the same gradient (DistributedMuon in one process too)."""
+    from fmoe.parallel import DistributedMuon
+
     g = torch.Generator().manual_seed(7)
     A0, B0, target = torch.randn(4, 6, generator=g), torch.randn(2, 4, 6, generator=g), torch.randn(4, 6, generator=g)
     A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
-    opt = Muon([A, B], lr=0.1)
+    opt = dict(Muon=Muon, DistributedMuon=DistributedMuon)[optimizer]([A, B], lr=0.1)
 
     def closure():
         opt.zero_grad()

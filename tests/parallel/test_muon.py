@@ -832,29 +832,6 @@ def test_a_world_of_one_rank_updates_every_matrix_in_step(one_rank_mesh):
     assert torch.equal(plain.detach(), ref[0].detach()) and torch.equal(sharded.full_tensor(), ref[1].detach())
 
 
-def test_closure_and_params_without_grad():
-    """step(closure) runs the closure with grad enabled and returns its loss; B, which the
-    loss does not reach (grad None), keeps its value and gets no momentum."""
-    g = torch.Generator().manual_seed(7)
-    A0, B0, target = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
-    A, B = nn.Parameter(A0.clone()), nn.Parameter(B0.clone())
-    opt = DistributedMuon([A, B], lr=0.1, ns_dtype=torch.float32)
-
-    def closure():
-        opt.zero_grad()
-        loss = ((A - target) ** 2).sum()
-        loss.backward()
-        return loss
-
-    loss = opt.step(closure)
-    assert float(loss.detach()) == float(((A0 - target) ** 2).sum())
-    assert torch.equal(B.detach(), B0) and B not in opt.state
-    reference = nn.Parameter(A0.clone())
-    reference.grad = 2 * (A0 - target)
-    Muon([reference], lr=0.1, ns_dtype=torch.float32).step()
-    assert torch.equal(A.detach(), reference.detach())
-
-
 def test_ns_steps_reaches_newton_schulz():
     w = nn.Parameter(torch.zeros(6, 4))
     w.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
