@@ -366,8 +366,9 @@ CASES = {
     # indexer whole on each rank (the same choice on both), the query heads split
     "tp2-dsv4-csa": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, csa_layers=(1,), csa_rate=2, csa_topk=2,
                                          index_heads=4, index_head_dim=8, window=5, attn_sinks=True)),
-    # 2 kv heads over 4 tp ranks: ranks 0, 1 compute kv head 0 from the whole wk, wv (and bk, bv), ranks 2, 3 kv head 1
-    "tp4-kv-replicated": (4, dict(tp=4), dict(qkv_bias=True)),
+    # 2 kv heads over 4 tp ranks: ranks 0, 1 compute kv head 0 from the whole wk, wv (and bk, bv), ranks 2, 3 kv head 1; values
+    # of 6 channels beside keys of 8
+    "tp4-kv-replicated": (4, dict(tp=4), dict(qkv_bias=True, v_head_dim=6)),
     # DeepSeek-V4's compressed attention under cp: every rank's compressor (and indexer) inputs gathered, the entries made from the
     # whole micro-batch on each rank, their gradients reduce-scattered back; HCA in block 1 (runs of 3), CSA in the next case
     "cp2-dsv4-hca": (2, dict(cp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", compress_layers=(1,), compress_rate=3, window=5,
@@ -392,6 +393,7 @@ CASES = {
     # the padded all-to-alls sized by the whole micro-batch
     "cp2-capacity": (2, dict(cp=2), dict(capacity_factor=1.0)),
     "cp2xtp2-capacity-position": (4, dict(cp=2, tp=2), dict(capacity_factor=1.0, capacity_policy="position")),
+    "tp2-capacity-position": (2, dict(tp=2), dict(capacity_factor=1.0, capacity_policy="position", mtp_depth=0)),
     "cp2xep2-capacity": (4, dict(cp=2, ep=2), dict(capacity_factor=1.0)),
     # attention's extras split over tp: Qwen2's qkv biases and Qwen3's per-head qk norm (and
     # Hunyuan's, after RoPE, over cp x tp); OLMoE's qk norm over the whole projection (its
@@ -470,6 +472,8 @@ CASES = {
     # Falcon-H1's (FALCON_H1): the mixer's heads and groups and the attention's heads split over tp in the same blocks, their
     # outputs summed; across a cp split, the mixer's halo and rule beside the gathered keys
     "tp2-falcon_h1": (2, dict(tp=2), FALCON_H1),
+    # ...and Mamba-2's gate without its output norm: no norm weight to split
+    "tp2-mamba2-no-norm": (2, dict(tp=2), dict(GRANITE4, linear_gate_norm="none", mtp_depth=0)),
     # (across cp, block 1's mixer left out: its A_log's gradient is nearly 0 there (at most 1.6e-7), and on one process chunks
     # of 5 tokens instead of 64 already move it by 2.1e-3, relative; block 0's by 3.8e-5)
     "cp2-falcon_h1": (2, dict(cp=2), dict(FALCON_H1, linear_layers=(0,))),
@@ -1168,6 +1172,45 @@ def test_tensor_parallel_plan_needs_blocks_around_parallel_regions():
         tensor_parallel_plan(torch.nn.ModuleDict({"attn": Attention(TransformerConfig(**TINY))}))
 
 
+def test_tensor_parallel_plan_splits_and_gathers_tokens_at_the_edges_of_each_run_of_blocks():
+    """The Blocks of a ModuleList are one run, whatever else the list holds; Blocks elsewhere (a ModuleDict's, the model
+    itself a Block) each a run of their own."""
+    from fmoe.model import Block, TransformerConfig
+    from fmoe.parallel import AttentionParallel, SequenceParallelModule, ShardTokens, SwiGLUParallel, tensor_parallel_plan
+
+    cfg = TransformerConfig(**TINY)
+
+    def edges(model):
+        return {name: (style.split_input, style.gather_output) for name, style in tensor_parallel_plan(model).items()
+                if isinstance(style, ShardTokens)}
+
+    listed = _Blocks(torch.nn.ModuleList([Block(cfg, moe=False), Block(cfg, moe=False), torch.nn.Identity()]))
+    assert edges(listed) == {"blocks.0": (True, False), "blocks.1": (False, True)}
+    assert edges(torch.nn.ModuleDict({"a": Block(cfg, moe=False), "b": Block(cfg, moe=False)})) == {"a": (True, True), "b": (True, True)}
+    plan = tensor_parallel_plan(Block(cfg, moe=False))
+    assert {name: type(style) for name, style in plan.items()} == {"": ShardTokens, "attn_norm": SequenceParallelModule, "attn": AttentionParallel,
+                                                                    "mlp_norm": SequenceParallelModule, "mlp": SwiGLUParallel}
+    assert (plan[""].split_input, plan[""].gather_output) == (True, True)
+
+
+class _OwnScale(torch.nn.Module):
+    """A module of one's own (not torch's, not fmoe's) with a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+
+def test_tensor_parallel_plan_refuses_a_module_of_one_s_own_class_inside_a_block():
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import tensor_parallel_plan
+
+    model = Transformer(TransformerConfig(**TINY))
+    model.blocks[0].extra = _OwnScale()
+    with pytest.raises(ValueError, match=r"model: _OwnScale 'blocks.0.extra' inside a fmoe.model.Block is a module of one's own with parameters"):
+        tensor_parallel_plan(model)
+
+
 SLIDING = dict(window=5, window_layers=(1,))  # block 1 attends over a sliding window, block 0 over every earlier token
 
 
@@ -1197,6 +1240,57 @@ def _bad_tp(rank, world):
     except ValueError as err:
         messages.append(str(err))
     messages += _own_modules_under_tp_and_cp()
+    messages += _plan_styles_on_their_own()
+    return messages
+
+
+def _plan_styles_on_their_own() -> list[str]:
+    """What the plan's styles refuse and keep, applied under tp = 2: a chunk's block's own head counts and a window's block
+    without them (named by the knobs set), fewer kv heads than tp beside per-head q/k LayerNorms or block-sparse attention,
+    a plan applied twice, a style on a module without sequence_parallel, a MoE's token_mask of other than the micro-batch's
+    rows; a frozen weight stays frozen, and kv heads as many as tp are split (not replicated)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import SequenceParallelModule, build_meshes, parallelize, tensor_parallel_plan
+    from fmoe.train.data import make_batch
+
+    meshes, messages = build_meshes(tp=2), []
+    for overrides in (dict(chunk=5, chunk_layers=(1,), local_heads=6, local_kv_heads=3), dict(window=5, window_layers=(0,), n_heads=6, n_kv_heads=3),
+                      dict(qk_norm="head_layer", n_kv_heads=1),
+                      dict(index_topk_blocks=2, index_block_size=3, index_heads=1, index_head_dim=8, index_block_layers=(1,), n_kv_heads=1)):
+        try:
+            parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), meshes)
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
+    twice, norms_twice = Transformer(TransformerConfig(**TINY)), Transformer(TransformerConfig(**TINY))
+    norms_plan = {name: style for name, style in tensor_parallel_plan(norms_twice).items() if isinstance(style, SequenceParallelModule)}
+
+    def regions_plan():
+        return {name: style for name, style in tensor_parallel_plan(twice).items() if name not in norms_plan}
+
+    parallelize_module(twice, meshes.tp_mesh, regions_plan())
+    parallelize_module(norms_twice, meshes.tp_mesh, norms_plan)
+    for call in (lambda: parallelize_module(twice, meshes.tp_mesh, regions_plan()),
+                 lambda: parallelize_module(norms_twice, meshes.tp_mesh, norms_plan),
+                 lambda: parallelize_module(torch.nn.Linear(2, 2), meshes.tp_mesh, SequenceParallelModule())):
+        try:
+            call()
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
+    model = Transformer(TransformerConfig(**TINY))
+    model.blocks[0].attn.wq.requires_grad_(False)
+    parallelize(model, meshes)
+    batch = make_batch(torch.randint(0, TINY["vocab_size"], (24,)), torch.tensor([0, 24]), TINY["mtp_depth"])
+    try:  # block 1 (the MoE one) sees this rank's 12 tokens; the mask has 36 rows, not the micro-batch's 24
+        model.blocks[1](torch.randn(12, TINY["hidden"]), model.context(batch).attention[0], torch.ones(36, dtype=torch.bool))
+        messages.append("accepted")
+    except ValueError as err:
+        messages.append(str(err))
+    attn = model.blocks[0].attn
+    messages.append(f"frozen wq: {attn.wq.requires_grad}; wk over tp: {attn.wk.placements[-1]}")
     return messages
 
 
@@ -1267,7 +1361,7 @@ def _own_modules_under_tp_and_cp() -> list[str]:
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 24
+        assert len(messages) == 33
         assert "tp: Attention 'blocks.0.attn': its n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
@@ -1300,6 +1394,16 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert messages[21] == "dropout: the plan of the model without it: True", messages[21]
         assert messages[22].startswith("model: MultiheadAttention 'blocks.1.attn_beside' is an attention of one's own"), messages[22]
         assert messages[23] == "own names: torch.float64 mine Linear"
+        # the plan's styles on their own (_plan_styles_on_their_own)
+        assert "tp: Attention 'blocks.1.attn': its local_heads = 6 and local_kv_heads = 3 must both be divisible by tp = 2" in messages[24], messages[24]
+        assert "tp: Attention 'blocks.0.attn': its n_heads = 6 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[25], messages[25]
+        assert "tp: n_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[26] and "not with qk_norm 'head_layer'" in messages[26], messages[26]
+        assert "tp: n_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[27] and "not with index_topk_blocks 2" in messages[27], messages[27]
+        assert messages[28] == "module: Attention.wq is already a DTensor (tensor-parallelised twice?)", messages[28]
+        assert messages[29] == "module: RMSNorm is already sequence parallel (tensor-parallelised twice?)", messages[29]
+        assert messages[30].startswith("module: Linear has no sequence_parallel attribute"), messages[30]
+        assert messages[31] == "x: expected the micro-batch's 24 rows (12 per tp rank), got 36", messages[31]
+        assert messages[32] == "frozen wq: False; wk over tp: S(1)", messages[32]
 
 
 def _failed_export(rank, world):
