@@ -595,7 +595,7 @@ def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
 def test_cp_ops_refuse_a_2d_mesh_and_malformed_inputs(one_rank_mesh):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fmoe.parallel import conv_halo
+    from fmoe.parallel import ContextCapacityDrop, conv_halo
 
     mesh_2d = DeviceMesh("cpu", torch.arange(1).view(1, 1), mesh_dim_names=("dp", "cp"))
     q, k, v, g, beta = (t.detach() for t in _rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0))
@@ -625,8 +625,6 @@ def test_cp_ops_refuse_a_2d_mesh_and_malformed_inputs(one_rank_mesh):
     # a halo of a whole chunk (n = T / (2 cp)) is allowed: zeros, then all of chunk 0
     halo = conv_halo(x, 4, one_rank_mesh)
     assert torch.equal(halo[0], torch.zeros(4, 3)) and torch.equal(halo[1], x[:4])
-    from fmoe.parallel import ContextCapacityDrop
-
     with pytest.raises(ValueError, match=r"^tp_mesh: expected a 1-D DeviceMesh, got 'tp'"):
         ContextCapacityDrop(one_rank_mesh, "tp")
 

@@ -1214,6 +1214,15 @@ def test_tensor_parallel_plan_refuses_a_module_of_one_s_own_class_inside_a_block
 SLIDING = dict(window=5, window_layers=(1,))  # block 1 attends over a sliding window, block 0 over every earlier token
 
 
+def _message(call) -> str:
+    """call()'s ValueError's message, or "accepted"."""
+    try:
+        call()
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
 def _bad_tp(rank, world):
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.parallel import build_meshes, parallelize
@@ -1259,11 +1268,7 @@ def _plan_styles_on_their_own() -> list[str]:
     for overrides in (dict(chunk=5, chunk_layers=(1,), local_heads=6, local_kv_heads=3), dict(window=5, window_layers=(0,), n_heads=6, n_kv_heads=3),
                       dict(qk_norm="head_layer", n_kv_heads=1),
                       dict(index_topk_blocks=2, index_block_size=3, index_heads=1, index_head_dim=8, index_block_layers=(1,), n_kv_heads=1)):
-        try:
-            parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), meshes)
-            messages.append("accepted")
-        except ValueError as err:
-            messages.append(str(err))
+        messages.append(_message(lambda: parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), meshes)))
     twice, norms_twice = Transformer(TransformerConfig(**TINY)), Transformer(TransformerConfig(**TINY))
     norms_plan = {name: style for name, style in tensor_parallel_plan(norms_twice).items() if isinstance(style, SequenceParallelModule)}
 
@@ -1272,23 +1277,16 @@ def _plan_styles_on_their_own() -> list[str]:
 
     parallelize_module(twice, meshes.tp_mesh, regions_plan())
     parallelize_module(norms_twice, meshes.tp_mesh, norms_plan)
-    for call in (lambda: parallelize_module(twice, meshes.tp_mesh, regions_plan()),
-                 lambda: parallelize_module(norms_twice, meshes.tp_mesh, norms_plan),
-                 lambda: parallelize_module(torch.nn.Linear(2, 2), meshes.tp_mesh, SequenceParallelModule())):
-        try:
-            call()
-            messages.append("accepted")
-        except ValueError as err:
-            messages.append(str(err))
+    messages += [_message(call) for call in (lambda: parallelize_module(twice, meshes.tp_mesh, regions_plan()),
+                                             lambda: parallelize_module(norms_twice, meshes.tp_mesh, norms_plan),
+                                             lambda: parallelize_module(torch.nn.Linear(2, 2), meshes.tp_mesh, SequenceParallelModule()))]
     model = Transformer(TransformerConfig(**TINY))
     model.blocks[0].attn.wq.requires_grad_(False)
     parallelize(model, meshes)
     batch = make_batch(torch.randint(0, TINY["vocab_size"], (24,)), torch.tensor([0, 24]), TINY["mtp_depth"])
-    try:  # block 1 (the MoE one) sees this rank's 12 tokens; the mask has 36 rows, not the micro-batch's 24
-        model.blocks[1](torch.randn(12, TINY["hidden"]), model.context(batch).attention[0], torch.ones(36, dtype=torch.bool))
-        messages.append("accepted")
-    except ValueError as err:
-        messages.append(str(err))
+    # block 1 (the MoE one) sees this rank's 12 tokens; the mask has 36 rows, not the micro-batch's 24
+    messages.append(_message(lambda: model.blocks[1](torch.randn(12, TINY["hidden"]), model.context(batch).attention[0],
+                                                     torch.ones(36, dtype=torch.bool))))
     attn = model.blocks[0].attn
     messages.append(f"frozen wq: {attn.wq.requires_grad}; wk over tp: {attn.wk.placements[-1]}")
     return messages
@@ -1317,14 +1315,9 @@ def _own_modules_under_tp_and_cp() -> list[str]:
     meshes = build_meshes(tp=2)
     by_hand = Transformer(cfg)
     parallelize_module(by_hand, meshes.tp_mesh, tensor_parallel_plan(by_hand))
-    for call in (lambda: parallelize(own_norm, meshes), lambda: parallelize(own_attn, meshes),
-                 lambda: parallelize(own_attn, build_meshes(cp=2)), lambda: apply_fsdp(by_hand, meshes),
-                 lambda: apply_fsdp(Transformer(cfg), meshes)):
-        try:
-            call()
-            messages.append("accepted")
-        except ValueError as err:
-            messages.append(str(err))
+    messages += [_message(call) for call in (lambda: parallelize(own_norm, meshes), lambda: parallelize(own_attn, meshes),
+                                             lambda: parallelize(own_attn, build_meshes(cp=2)), lambda: apply_fsdp(by_hand, meshes),
+                                             lambda: apply_fsdp(Transformer(cfg), meshes))]
     # a plan of one's own with the MoE's SequenceParallelModule and without its shared experts' SwiGLUParallel, then FSDP2
     # (their weights DTensors, sharded by rows): their gradients were each rank's share
     planless_shared = Transformer(cfg)
@@ -1335,23 +1328,14 @@ def _own_modules_under_tp_and_cp() -> list[str]:
     unnamed = Transformer(cfg)
     parallelize_module(unnamed, init_device_mesh("cpu", (2,)), tensor_parallel_plan(unnamed))
     batch = make_batch(torch.randint(0, cfg.vocab_size, (24,)), torch.tensor([0, 24]), cfg.mtp_depth)
-    for model in (planless_shared, unnamed):
-        try:
-            model(batch, model.context(batch))
-            messages.append("accepted")
-        except ValueError as err:
-            messages.append(str(err))
+    messages += [_message(lambda: model(batch, model.context(batch))) for model in (planless_shared, unnamed)]
     # parameterless torch modules inside a Block (a dropout) take no plan, and are not refused; an attention of one's own
     # beside the Block's own (attn_beside) is refused under cp as attn is
     dropout, beside = Transformer(cfg), Transformer(cfg)
     dropout.blocks[0].extra = torch.nn.Sequential(torch.nn.Dropout(0.0))
     beside.blocks[1].attn_beside = torch.nn.MultiheadAttention(cfg.hidden, 1)
     messages.append(f"dropout: the plan of the model without it: {tensor_parallel_plan(dropout).keys() == tensor_parallel_plan(Transformer(cfg)).keys()}")
-    try:
-        parallelize(beside, build_meshes(cp=2))
-        messages.append("accepted")
-    except ValueError as err:
-        messages.append(str(err))
+    messages.append(_message(lambda: parallelize(beside, build_meshes(cp=2))))
     own = _Blocks(torch.nn.ModuleList([Block(cfg, moe=False)]))
     own.logits, own.compute_dtype, own.step_hook = torch.nn.Linear(cfg.hidden, 8), torch.float64, "mine"
     parallelize(own, build_meshes(has_experts=False))

@@ -331,31 +331,23 @@ def _nothing_owned(rank, world, meshes) -> dict:
 
 def _bad_layouts(meshes) -> dict:
     """ValueErrors for DTensor layouts: Partial, and (on a 2-D mesh) local shards that are
-    not blocks of the matrix: rows {0, 2} | {1, 3} | {4, 6} | {5, 7} of 8."""
+    not blocks of the matrix: rows {0, 2} | {1, 3} | {4, 6} | {5, 7} of 8; rows [0, 2) |
+    [1, 2) | [3, 5) | none of 5 (they overlap, and reach the last row)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    layouts = {"partial": (meshes.batch["dp"], [Partial()], (4, 4))}
+    layouts = {"partial": (meshes.batch["dp"], [Partial()], (4, 4), (4, 4))}
     if meshes.dense.size() == 4:
-        layouts["strided"] = (meshes.dense["dp_replicate", "dp_shard"], [Shard(0), _StridedShard(0, split_factor=2)], (2, 4))
+        mesh, strided = meshes.dense["dp_replicate", "dp_shard"], [Shard(0), _StridedShard(0, split_factor=2)]
+        rows = {(0, 0): 2, (0, 1): 1, (1, 0): 2, (1, 1): 0}[tuple(mesh.get_coordinate())]
+        layouts.update(strided=(mesh, strided, (2, 4), (8, 4)), strided_uneven=(mesh, strided, (rows, 2), (5, 2)))
     messages = {}
-    for name, (mesh, placements, local_shape) in layouts.items():
-        shape = (local_shape[0] * mesh.size(), local_shape[1]) if name == "strided" else local_shape
+    for name, (mesh, placements, local_shape, shape) in layouts.items():
         p = nn.Parameter(DTensor.from_local(torch.zeros(local_shape), mesh, placements, run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)))
         try:
             DistributedMuon([p])
             messages[name] = "no error"
         except ValueError as e:
             messages[name] = str(e)
-    if meshes.dense.size() == 4:  # rows [0, 2) | [1, 2) | [3, 5) | empty of 5: they overlap, and reach the last row
-        mesh = meshes.dense["dp_replicate", "dp_shard"]
-        rows = {(0, 0): 2, (0, 1): 1, (1, 0): 2, (1, 1): 0}[tuple(mesh.get_coordinate())]
-        p = nn.Parameter(DTensor.from_local(torch.zeros(rows, 2), mesh, [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
-                                            shape=torch.Size((5, 2)), stride=(2, 1)))
-        try:
-            DistributedMuon([p])
-            messages["strided uneven"] = "no error"
-        except ValueError as e:
-            messages["strided uneven"] = str(e)
     # the plain Muon on an FSDP2 shard: named, and pointed to DistributedMuon (it named no parameter and no way out)
     shard = nn.Parameter(DTensor.from_local(torch.zeros(2, 4), meshes.batch["dp"], [Shard(0)], run_check=False,
                                             shape=torch.Size((2 * meshes.batch["dp"].size(), 4)), stride=(4, 1)))
@@ -421,6 +413,15 @@ def _rules(rank, world) -> dict:
 def _edge_data():
     g = torch.Generator().manual_seed(3)
     return torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
+
+
+def _muon_step(w0: torch.Tensor, grads: torch.Tensor) -> list[torch.Tensor]:
+    """Single-process Muon's matrices after one step from w0[i] with gradient grads[i]."""
+    ref = [nn.Parameter(w.clone()) for w in w0]
+    for p, grad in zip(ref, grads):
+        p.grad = grad.clone()
+    Muon(ref, lr=0.1, ns_dtype=torch.float32).step()
+    return [p.detach() for p in ref]
 
 
 def _edges(rank, world) -> dict:
@@ -639,7 +640,7 @@ def test_bad_layouts_are_refused(spawned):
         assert messages["plain muon"].startswith("params[0] (blocks.0.attn.wq): a DTensor of shape (") and "sharded over a matrix dim" in messages["plain muon"] \
             and "fmoe.parallel.DistributedMuon gathers them under FSDP2" in messages["plain muon"], messages["plain muon"]
         if size == 4:
-            for name in ("strided", "strided uneven"):
+            for name in ("strided", "strided_uneven"):
                 assert messages[name].startswith("params: a DTensor whose local shards are not blocks of the matrix"), messages[name]
 
 
@@ -648,16 +649,12 @@ def test_replicated_dtensors_and_plain_matrices_are_owned_and_waited_per_paramet
     in the world's table: rank 0, then plain a to rank 1 (broadcast from it), b to the next
     least loaded; wait([a]) completes a only, state_dict() the rest; Muon's results."""
     size, results = spawned
-    w0, grads = _edge_data()
-    ref = [nn.Parameter(w.clone()) for w in w0]
-    for p, grad in zip(ref, grads):
-        p.grad = grad.clone()
-    Muon(ref, lr=0.1, ns_dtype=torch.float32).step()
+    ref = _muon_step(*_edge_data())
     for rank, result in enumerate(results):
         edges = result["edges"]
         assert edges["owners"] == [0, 1, 0 if size == 2 else 2], (rank, edges["owners"])
         assert edges["pending after wait([a])"] == [0, 2] and edges["pending after state_dict"] == 0, (rank, edges)
-        assert all(torch.equal(got, want.detach()) for got, want in zip(edges["params"], ref)), rank
+        assert all(torch.equal(got, want) for got, want in zip(edges["params"], ref)), rank
 
 
 def test_a_tied_matrix_is_written_before_whichever_of_its_modules_runs_first(spawned):
@@ -825,11 +822,8 @@ def test_a_world_of_one_rank_updates_every_matrix_in_step(one_rank_mesh):
     opt = DistributedMuon([plain, sharded], lr=0.1, ns_dtype=torch.float32)
     opt.step()
     assert [opt.owner_of(plain), opt.owner_of(sharded)] == [None, None] and not opt.pending
-    ref = [nn.Parameter(w.clone()) for w in w0]
-    for p, grad in zip(ref, grads):
-        p.grad = grad.clone()
-    Muon(ref, lr=0.1, ns_dtype=torch.float32).step()
-    assert torch.equal(plain.detach(), ref[0].detach()) and torch.equal(sharded.full_tensor(), ref[1].detach())
+    ref = _muon_step(w0, grads)
+    assert torch.equal(plain.detach(), ref[0]) and torch.equal(sharded.full_tensor(), ref[1])
 
 
 def test_ns_steps_reaches_newton_schulz():
