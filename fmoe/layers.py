@@ -3955,6 +3955,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
                                or tuple(states.conv.shape[1:]) != (cfg.conv - 1, cfg.conv_channels)):
         raise ValueError(f"ctx.linear_states: conv {list(states.conv.shape)} and state {list(states.state.shape)} do not fit {T} tokens "
                          f"of cfg's layer (expected [S, {cfg.conv - 1}, {cfg.conv_channels}], T a multiple of S)")
+    if states is not None and T == 0:  # a decoding call of no real token: no output row, the states as they were
+        return x.new_zeros(0, x.shape[1]), TensorDict({}, batch_size=[])
     if cfg.kind == "short_conv":
         return _short_conv(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
     if cfg.kind == "mamba1":

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, attention_context, lightning_decay, linear_attention,
                          linear_attention_shapes)
+from fmoe.ops import gated_delta_rule, gated_linear_attention, selective_scan
+from fmoe.parallel import cp_kv_index, cp_token_index
 
 H = 24
 CFG = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8)
@@ -513,6 +515,19 @@ def test_bf16():
     (dict(dt_min=-0.1), r"dt_min: expected a finite number >= 0 \(Mamba-2's floor of dt; 0: none\), got -0.1"),
     (dict(neg_eigval=1), r"neg_eigval: expected a bool, got 1"),
     (dict(kind="mamba2", neg_eigval=True), r"neg_eigval: the delta rule's write strength in \[0, 2\], needs kind 'gated_deltanet' or 'kda', got 'mamba2'"),
+    (dict(kind="short_conv", n_k_heads=4, k_head_dim=6, neg_eigval=True), r"neg_eigval: .* needs kind 'gated_deltanet' or 'kda', got 'short_conv'"),
+    (dict(gate_norm="before"), r"gate_norm: where Mamba-2's output norm sits, needs kind 'mamba2', got 'gated_deltanet'"),
+    (dict(kind="mamba2", dt_min=float("inf")), r"dt_min: expected a finite number >= 0 .*, got inf"),
+    (dict(kind="mamba2", dt_min=True), r"dt_min: expected a finite number >= 0 .*, got True"),
+    (dict(impl="cuda"), r"impl: expected one of \('auto', 'triton', 'torch'\), got 'cuda'"),
+    (dict(kind="kda", n_v_heads=2, decay_bound="-1"), r"decay_bound: expected None or a finite number < 0 .*, got '-1'"),
+    (dict(kind="lightning", n_v_heads=2), r"n_k_heads / k_head_dim: lightning attention has as many key as value heads, of one dim, got 2 x 8 beside 2 x 6"),
+    (dict(kind="short_conv", n_v_heads=2), r"n_k_heads / k_head_dim: a short convolution's channels .* got 2 x 8 beside 2 x 6"),
+    (dict(chunk_size=0), r"chunk_size: expected >= 1, got 0"),
+    (dict(k_head_dim=0), r"k_head_dim: expected >= 1, got 0"),
+    (dict(norm_eps=float("inf")), r"norm_eps: expected a positive number, got inf"),
+    (dict(kind="mamba1", n_k_heads=1, v_head_dim=1, dt_rank=0), r"dt_rank: expected an int >= 1 .*, got 0"),
+    (dict(kind="mamba1", n_k_heads=1, dt_rank=2), r"n_k_heads / v_head_dim: .* got 1 groups and channels of 6"),
 ])
 def test_config_checks(change, match):
     with pytest.raises(ValueError, match=match):
@@ -558,7 +573,7 @@ def test_argument_checks():
     with pytest.raises(ValueError, match=r"params: expected a dict of tensors \(linear_attention_shapes' names\), got list"):
         linear_attention(x, list(p.values()), CFG, ctx)
     # decoding's states: a LinearStates of tensors, tokens within x's rows (a TypeError, an AttributeError or silence before)
-    good = dict(conv=torch.zeros(1, 3, 40), state=torch.zeros(1, 4, 8, 6))
+    good = dict(conv=torch.zeros(1, 3, 56), state=torch.zeros(1, 4, 8, 6))
     for states, said in ((LinearStates(**good, tokens="2"), r"ctx.linear_states.tokens: expected None or an int in 0..5 .*, got '2'"),
                          (LinearStates(**good, tokens=-1), r"ctx.linear_states.tokens: .* got -1"),
                          (LinearStates(**good, tokens=7), r"ctx.linear_states.tokens: .* got 7"),
@@ -578,3 +593,183 @@ def test_no_token(cfg):
     assert y.shape == (0, H)
     y.sum().backward()
     assert all(t.grad is None or not t.grad.any() for t in p.values() if t.requires_grad)
+
+
+def test_config_defaults():
+    cfg = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6)
+    assert (cfg.conv, cfg.norm_eps, cfg.chunk_size, cfg.impl, cfg.kind) == (4, 1e-6, 64, "auto", "gated_deltanet")
+    assert (cfg.gate_norm, cfg.dt_bc_norm) == ("after", "none")
+    assert (cfg.full_rank, cfg.decay_bound, cfg.dt_min, cfg.neg_eigval, cfg.dt_rank, cfg.fp8) == (False, None, 0.0, False, None, False)
+    assert (cfg.k_channels, cfg.v_channels, cfg.conv_channels) == (16, 24, 56)
+    assert (SHORT.conv_channels, LIGHT.conv_channels, MAMBA.conv_channels, MAMBA1.conv_channels) == (16, 0, 56, 12)
+
+
+def test_lightning_decay_refuses_a_negative_or_bool_layer():
+    for layer in (-1, True):
+        with pytest.raises(ValueError, match=rf"layer: expected an int in \[0, 4\), got {layer}"):
+            lightning_decay(4, layer, 4)
+
+
+class _OneProcessSplit:
+    """fmoe.parallel.ContextParallel's exchange as cp rank `rank` of `cp` in one process: conv_halo
+    records each rank's rows (rows, shared by the ranks) and reads the K - 1 rows before each chunk
+    from them (zeros where not recorded yet: run every rank twice); the rules over the whole
+    split, at cp = 1 only."""
+
+    def __init__(self, cp, rank, rows):
+        self.cp, self.rank, self.rows = cp, rank, rows
+
+    def token_index(self, n_local, device=None):
+        return cp_token_index(n_local * self.cp, self.cp, self.rank, device=device)
+
+    def conv_halo(self, x, n):
+        index = self.token_index(x.shape[0]).tolist()
+        self.rows.update(zip(index, x.detach()))
+        L = x.shape[0] // 2
+        return torch.stack([torch.stack([self.rows.get(i, x.new_zeros(x.shape[1])) for i in range(s - n, s)]) if n else x.new_zeros(0, x.shape[1])
+                            for s in (index[0], index[L])])
+
+    def gated_delta_rule(self, *args, **kwargs):
+        assert self.cp == 1
+        return gated_delta_rule(*args, **kwargs)
+
+    def gated_linear_attention(self, *args, **kwargs):
+        assert self.cp == 1
+        return gated_linear_attention(*args, **kwargs)
+
+    def selective_scan(self, *args, **kwargs):
+        assert self.cp == 1
+        return selective_scan(*args, **kwargs)
+
+
+def _over_split(cfg, cp, p, x, cu):
+    """linear_attention over a context-parallel split of x's T tokens (documents cu) in one
+    process (_OneProcessSplit): each rank's rows of its outputs, in rank order, and their indices."""
+    T, rows = x.shape[0], {}
+    positions = torch.cat([torch.arange(int(b) - int(a)) for a, b in zip(cu[:-1], cu[1:])])
+    for _ in range(2):
+        ys, index = [], []
+        for rank in range(cp):
+            split = _OneProcessSplit(cp, rank, rows)
+            i = split.token_index(T // cp)
+            ctx = attention_context(cu, positions[i], AttentionConfig(n_heads=1, n_kv_heads=1, head_dim=2, impl="torch"), token_index=i,
+                                    kv_index=cp_kv_index(T, cp), gather_kv=lambda k, v: (k, v), linear_cp=split)
+            ys.append(linear_attention(x[i], p, cfg, ctx)[0])
+            index.append(i)
+    return torch.cat(ys), torch.cat(index)
+
+
+@pytest.mark.parametrize("cfg", [SHORT, dataclasses.replace(MAMBA1, conv=3)], ids=["short-conv", "mamba1"])
+def test_convolution_over_a_context_parallel_split_reads_the_rows_before_each_chunk(cfg):
+    """Over 2 ranks (chunks 0, 3 and 1, 2 of 6 tokens), documents of 7, 4 and 13 tokens: the
+    short convolution's rows (no rule) equal the whole batch's; Mamba-1's (whose scan needs the
+    whole split) over cp = 1 (its chunks 12 tokens each, a document across the two)."""
+    cu = torch.tensor([0, 7, 11, 24], dtype=torch.int32)
+    x = torch.randn(24, H)
+    p = {n: t.detach() for n, t in _params(cfg).items()}
+    whole, _ = linear_attention(x, p, cfg, _ctx(cu, 24))
+    y, index = _over_split(cfg, 2 if cfg.kind == "short_conv" else 1, p, x, cu)
+    torch.testing.assert_close(y, whole[index], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [CFG, LIGHT, MAMBA], ids=lambda c: c.kind)
+def test_rules_over_a_context_parallel_split_of_one_rank(cfg):
+    """cp = 1 through linear_cp (the convolution's halos from the chunk before, the rule across the
+    split): the whole batch's outputs, documents cut by the chunks' boundary (12) and not."""
+    cu = torch.tensor([0, 3, 14, 24], dtype=torch.int32)
+    x = torch.randn(24, H)
+    p = {n: t.detach() for n, t in _params(cfg).items()}
+    y, index = _over_split(cfg, 1, p, x, cu)
+    torch.testing.assert_close(y, linear_attention(x, p, cfg, _ctx(cu, 24))[0], rtol=1e-5, atol=1e-6)
+
+
+def _shard(p, cfg, shard, of):
+    """Tensor parallelism's slice of the params (shard of `of`): the heads' (Mamba-1's channels')
+    columns of the input projections (Mamba-1's rows of wdt, wk, wq), their rows of wo, their
+    entries of the per-head weights."""
+    def cut(t, dim):
+        n = t.shape[dim] // of
+        return t.narrow(dim, shard * n, n)
+    rows = ("wo", "out_norm", "decay", "conv_v_bias", "wdt", "dt_bias", "A_log", "D") + (("wk", "wq") if cfg.kind == "mamba1" else ())
+    whole = ("dt_norm", "b_norm", "c_norm")  # Mamba-1's norms of dt, B and C: after the sum over the shards
+    return {n: t if n in whole else cut(t, 0 if n in rows else t.ndim - 1) for n, t in p.items()}
+
+
+@pytest.mark.parametrize("cfg", [LIGHT, MAMBA1_NORMS], ids=["lightning", "mamba1"])
+def test_tensor_parallel_shards_sum_to_the_whole_layer(cfg):
+    """Lightning attention's heads (its norm over every head's channels through heads_mean) and
+    Mamba-1's channels (dt, B and C from every channel through heads_sum) in 3 shards: the
+    shards' outputs sum to the whole layer's. The collectives stand in with what the other
+    shards gave (each shard run twice)."""
+    cu = torch.tensor([0, 6, 17], dtype=torch.int32)
+    x = torch.randn(17, H)
+    p = {n: t.detach() for n, t in _params(cfg).items()}
+    whole, _ = linear_attention(x, p, cfg, _ctx(cu, 17))
+    of, seen = 3, {}
+    sub = dataclasses.replace(cfg, n_v_heads=cfg.n_v_heads // of, **({} if cfg.kind == "mamba1" else dict(n_k_heads=1)))
+    for _ in range(2):
+        ys = []
+        for shard in range(of):
+            def collective(t, shard=shard):
+                seen[shard] = t
+                return sum(seen.get(s, torch.zeros_like(t)) for s in range(of)) / (of if cfg.kind == "lightning" else 1)
+            kw = dict(heads_mean=collective) if cfg.kind == "lightning" else dict(heads_sum=collective)
+            ys.append(linear_attention(x, _shard(p, cfg, shard, of), sub, _ctx(cu, 17), **kw)[0])
+    torch.testing.assert_close(sum(ys), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [CFG, MAMBA, MAMBA1, SHORT, LIGHT, KDA], ids=lambda c: c.kind)
+def test_decoding_no_real_token_outputs_zeros_and_keeps_the_states(cfg):
+    """Decoding with tokens=0 (every row padding) or x of no rows: zero outputs, the states
+    as they were (a RuntimeError of a reshape of 0 elements, every kind but lightning, before)."""
+    p = {n: t.detach() for n, t in _params(cfg, seed=6).items()}
+    conv, state = torch.randn(2, cfg.conv - 1, cfg.conv_channels), torch.randn(2, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim)
+    ctx = dataclasses.replace(_ctx(torch.tensor([0, 1], dtype=torch.int32), 1), cu_seqlens=None)
+    for x, tokens in ((torch.randn(3, H), 0), (torch.randn(0, H), None), (torch.randn(0, H), 0)):
+        states = LinearStates(conv.clone(), state.clone(), tokens=tokens)
+        y, stats = linear_attention(x, p, cfg, dataclasses.replace(ctx, linear_states=states))
+        assert y.shape == x.shape and y.dtype == x.dtype and not y.any() and not stats.keys()
+        assert torch.equal(states.conv, conv) and torch.equal(states.state, state)
+
+
+def test_decoding_with_one_tap():
+    """conv = 1: no convolution state ([S, 0, C]), the prompt then single steps equal the whole sequences."""
+    cfg = dataclasses.replace(CFG, conv=1)
+    p = {n: t.detach() for n, t in _params(cfg, seed=4).items()}
+    x = torch.randn(2, 7, H)
+    whole = [linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 7], dtype=torch.int32), 7))[0] for b in range(2)]
+    states = LinearStates(torch.zeros(2, 0, 56), torch.zeros(2, 4, 8, 6))
+    ctx = dataclasses.replace(_ctx(torch.tensor([0, 1], dtype=torch.int32), 1), linear_states=states, cu_seqlens=None)
+    outs = [linear_attention(x[:, :5].reshape(10, H), p, cfg, ctx)[0].view(2, 5, H)]
+    for t in (5, 6):
+        outs.append(linear_attention(x[:, t], p, cfg, ctx)[0].view(2, 1, H))
+        assert states.conv.shape == (2, 0, 56)
+    got = torch.cat(outs, dim=1)
+    for b in range(2):
+        torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
+
+
+def test_decoding_tokens_equal_to_the_rows_is_no_padding():
+    p = {n: t.detach() for n, t in _params(seed=5).items()}
+    x = torch.randn(6, H)
+    ctx = dataclasses.replace(_ctx(torch.tensor([0, 1], dtype=torch.int32), 1), cu_seqlens=None)
+    ys = []
+    for tokens in (None, 6):
+        states = LinearStates(torch.zeros(2, 3, 56), torch.zeros(2, 4, 8, 6), tokens=tokens)
+        ys.append(linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=states))[0])
+    torch.testing.assert_close(ys[1], ys[0], rtol=0, atol=0)
+    assert ys[1].any(dim=1).all()
+
+
+def test_more_argument_checks():
+    x = torch.randn(5, H)
+    p = _params()
+    ctx = _ctx(torch.tensor([0, 5], dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match=r"params\['wz'\]: expected x's dtype torch.float32, got torch.bfloat16"):
+        linear_attention(x, dict(p, wz=p["wz"].detach().bfloat16()), CFG, ctx)
+    # two sequences' states and 5 tokens: not T / 2 each
+    with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[2, 3, 56\] and state \[2, 4, 8, 6\] do not fit 5 tokens of cfg's layer "
+                                         r"\(expected \[S, 3, 56\], T a multiple of S\)"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=LinearStates(torch.zeros(2, 3, 56), torch.zeros(2, 4, 8, 6))))
+    with pytest.raises(ValueError, match=r"ctx: a context-parallel context \(gather_kv\) without linear_cp: linear attention needs the rule's exchange"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
