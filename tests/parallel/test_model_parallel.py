@@ -387,6 +387,7 @@ CASES = {
     "cp2": (2, dict(cp=2), {}),
     "cp4": (4, dict(cp=4), {}),
     "cp2-fsdp2": (4, dict(cp=2), {}),
+    "cp2-hsdp": (4, dict(cp=2, dp_replicate=2), {}),  # HSDP over (dp_replicate, dp_shard x cp): the gradients summed over both
     "cp2xep2": (4, dict(cp=2, ep=2), {}),
     "cp2xtp2": (4, dict(cp=2, tp=2), {}),
     # a capacity drop over every cp rank's chunks (and tp slices), both policies; with EP
@@ -836,6 +837,77 @@ def _step_hook_bounds(rank, world):
     return dict(out, freed=freed() is None)
 
 
+class _InContainers(torch.nn.Module):
+    """A linear layer whose forward returns its output in a TensorDict, inside a list or a dict."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.w = kind, torch.nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        from tensordict import TensorDict
+
+        out = TensorDict({"y": (x @ self.w).tanh()}, batch_size=[])
+        return [out] if self.kind == "list" else {"out": out}
+
+
+def _fsdp_units(rank, world):
+    """What parallelize makes of a model (param_dtype bf16, reduce_dtype float32, residual gates): each FSDP2 unit's
+    (reshards after forward, param_dtype, reduce_dtype, cast_forward_inputs), before and after a gathered() block, and
+    whether the root is left gathered by a forward without gradients after the block; the requires_grad of a MoE's
+    experts with w_up frozen, under ep = 2; the refusal of etp = 2 for a model without MoE blocks; and, for a unit whose
+    output's TensorDict sits in a list or a dict (sharded by shard_unit, resharded after forward, inside a root), the
+    largest error of its weight's gradient against one process's (or the error raised)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, gathered, parallelize
+    from fmoe.parallel.fsdp import _param_groups, _reshards_after_forward, shard_unit
+
+    def units(model):
+        policies = {name: m._get_fsdp_state()._mp_policy for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+        return {name: (_reshards_after_forward(model.get_submodule(name)), mp.param_dtype, mp.reduce_dtype, mp.cast_forward_inputs)
+                for name, mp in policies.items()}
+
+    model = Transformer(TransformerConfig(**dict(TINY, mtp_depth=0, residual_gates=True)))
+    parallelize(model, build_meshes(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {"units": units(model)}
+    batch = _batches(1, mtp_depth=0)[0]
+    with torch.no_grad(), gathered(model):
+        model(batch, model.context(batch))
+    out["units_after_gathered"] = units(model)
+    with torch.no_grad():
+        model(batch, model.context(batch))
+    out["root_gathered_after"] = any(group.is_unsharded for group in _param_groups(model))
+    frozen = Transformer(TransformerConfig(**dict(TINY, mtp_depth=0)))
+    frozen.blocks[1].mlp.experts.w_up.requires_grad_(False)
+    parallelize(frozen, build_meshes(ep=2))
+    out["frozen"] = {name: p.requires_grad for name, p in frozen.blocks[1].mlp.experts.named_parameters()}
+    out["etp_without_experts"] = _message(lambda: parallelize(Transformer(TransformerConfig(**dict(TINY, n_dense=2, mtp_depth=0))),
+                                                              build_meshes(etp=2)))
+    mesh = init_device_mesh("cpu", (world,))
+    for kind in ("list", "dict"):
+        torch.manual_seed(0)
+        ref, unit = _InContainers(kind), _InContainers(kind)
+        unit.load_state_dict(ref.state_dict())
+        root = torch.nn.Sequential(unit)
+        x, upstream = torch.randn(3, 4), torch.randn(3, 6)
+        y = ref(x)
+        ((y[0] if kind == "list" else y["out"])["y"] * upstream).sum().backward()
+        shard_unit(unit, mesh=mesh)
+        fully_shard(root, mesh=mesh)
+        try:
+            y = root(x)
+            ((y[0] if kind == "list" else y["out"])["y"] * upstream).sum().backward()
+        except RuntimeError as err:  # the unit's freed weight: "setStorage: ... storage of size 0"
+            out[kind] = str(err)[:200]
+            continue
+        grad = unit.w.grad  # None where FSDP2's backward never reached the unit
+        out[kind] = float((grad.full_tensor() - ref.w.grad).abs().max()) if grad is not None else "no gradient"
+    return out
+
+
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
     user-Blocks case, the refusals and the failed exports."""
@@ -849,6 +921,7 @@ def _cases(rank, world, names):
         out["autograd_orders"] = in_own_groups(_autograd_orders, rank, world)
         out["dropped_forward"] = in_own_groups(_dropped_forward, rank, world)
         out["step_hook_bounds"] = in_own_groups(_step_hook_bounds, rank, world)
+        out["fsdp_units"] = in_own_groups(_fsdp_units, rank, world)
         out["torch_ddp"] = in_own_groups(_torch_ddp, rank, world)
     return out
 
@@ -1124,6 +1197,39 @@ def test_the_step_hook_leaves_other_models_and_gathered_roots_alone_and_dead_mod
     for rank, by_case in enumerate(results(2)):
         assert by_case["step_hook_bounds"] == {"other_model": (True, True), "in_gathered": (True, True), "freed": True}, \
             f"rank {rank}: {by_case['step_hook_bounds']}"
+
+
+def test_parallelize_s_units_reshard_and_cast_as_documented_and_gathered_restores_them(results):
+    """Every Block, MoE (router), its experts and shared experts, and each ResidualGate is a unit of its own that reshards
+    after forward; the root stays gathered for its backward; the MoE and the residual gates compute uncast (float32) and
+    the others in param_dtype, every gradient reduced in reduce_dtype, no unit casting its inputs. A gathered() block
+    leaves them so, and the root resharding after a forward without gradients."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    cast, uncast = (True, bf16, f32, False), (True, None, f32, False)
+    want = {"": (False, bf16, f32, False), "blocks.0": cast, "blocks.1": cast, "blocks.1.mlp": uncast, "blocks.1.mlp.experts": cast,
+            "blocks.1.mlp.shared": cast, **{f"blocks.{i}.{sub}_residual_gate": uncast for i in range(2) for sub in ("attn", "mlp")}}
+    for rank, by_case in enumerate(results(2)):
+        got = by_case["fsdp_units"]
+        assert got["units"] == want, f"rank {rank}: {got['units']}"
+        assert got["units_after_gathered"] == want, f"rank {rank}: {got['units_after_gathered']}"
+        assert got["root_gathered_after"] is False, f"rank {rank}"
+
+
+def test_parallelize_keeps_frozen_expert_weights_and_refuses_etp_without_experts(results):
+    for rank, by_case in enumerate(results(2)):
+        got = by_case["fsdp_units"]
+        assert got["frozen"] == {"w_gate": True, "w_up": False, "w_down": True}, f"rank {rank}: {got['frozen']}"
+        assert got["etp_without_experts"] == ("meshes: ep / etp: expert parallelism (1 x 2) needs a model with experts, and this one has "
+                                              "no MoE block (build the meshes with has_experts=False)"), f"rank {rank}: {got['etp_without_experts']}"
+
+
+@pytest.mark.parametrize("kind", ("list", "dict"))
+def test_a_unit_s_tensordicts_inside_lists_and_dicts_regather_it_for_backward(results, kind):
+    """A unit resharded after forward whose output reaches the loss only through a TensorDict inside a list or a dict:
+    shard_unit hooks its pre-backward there too, and its weight's gradient is one process's (without it, none at all)."""
+    for rank, by_case in enumerate(results(2)):
+        error = by_case["fsdp_units"][kind]
+        assert not isinstance(error, str) and error < 1e-6, f"rank {rank}: {error}"
 
 
 def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone():
