@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 import re
 
 import pytest
@@ -324,12 +325,18 @@ def test_expert_out_norm_eps_0_keeps_a_zero_row_zero(device):
         assert t.grad.isfinite().all(), n
 
 
-def test_random_routing_keeps_the_router_in_the_graph(device):
-    cfg = MoEConfig(n_experts=4, k=2, random_routing=True)
+@pytest.mark.parametrize("score", ["softmax", "sparsemixer", "hash"])
+def test_random_routing_keeps_the_router_in_the_graph(score, device):
+    cfg = MoEConfig(n_experts=4, k=2, score="softmax" if score == "hash" else score, random_routing=True,
+                    sparsemixer_eps=0.5 if score == "sparsemixer" else 0.01)  # a wide gap: more than one expert weighed, a gradient
     params = _params(cfg, torch.float32, device)
+    kw = {}
+    if score == "hash":  # the table chooses, the random logits weigh
+        params["hash_table"] = torch.tensor([[0, 1], [2, 3]], device=device)
+        kw = dict(token_ids=torch.arange(16, device=device) % 2)
     x = torch.randn(16, H, device=device)
-    y1, _ = moe(x, params, cfg)
-    y2, _ = moe(x, params, cfg)
+    y1, _ = moe(x, params, cfg, **kw)
+    y2, _ = moe(x, params, cfg, **kw)
     assert not torch.equal(y1, y2)  # fresh random routes each call
     (y1 * torch.randn_like(y1)).sum().backward()
     assert params["router"].grad.abs().sum() > 0
@@ -484,6 +491,220 @@ def test_gemma4_router_reads_its_own_input_through_its_norm_and_scales_each_expe
         moe(x, dict(params, router_norm=torch.ones(4)), cfg)
     with pytest.raises(ValueError, match=r"route_x: expected None or a torch.float32 tensor of x's shape \(7, 32\)"):
         moe(x, params, cfg, route_x=r[:3])
+
+
+def test_moe_config_refuses_out_of_range_knobs_naming_them():
+    """Each knob out of its range is named when the config is made: a negative count of zero
+    experts, an infinite eps or logit scale, a zero (or bool) shared scale, a zero cap or
+    capacity, an unknown capacity policy, a fp8 that is not a bool, fp8_fast_accum without fp8."""
+    for kw, said in ((dict(zero_experts=-1), "zero_experts: expected >= 0, got -1"),
+                     (dict(norm_eps=math.inf), "norm_eps: expected a finite number >= 0, got inf"),
+                     (dict(expert_out_norm_eps=math.inf), "expert_out_norm_eps: expected a finite number >= 0, got inf"),
+                     (dict(logit_scale=math.inf), "logit_scale: expected a positive finite number, got inf"),
+                     (dict(shared_scale=0.0), "shared_scale: expected a positive finite number, got 0.0"),
+                     (dict(shared_scale=True), "shared_scale: expected a positive finite number, got True"),
+                     (dict(logit_softcap=0.0), "logit_softcap: expected None or a positive finite number, got 0.0"),
+                     (dict(capacity_factor=0.0), "capacity_factor: expected None or a positive finite number, got 0.0"),
+                     (dict(capacity_factor=1.0, capacity_policy="bogus"), "capacity_policy: expected 'probs' or 'position', got 'bogus'"),
+                     (dict(fp8="yes"), "fp8: expected a bool"),
+                     (dict(fp8_fast_accum=True), "fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True")):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+            MoEConfig(n_experts=4, k=2, **kw)
+
+
+def test_moe_config_names_the_knobs_sparsemixer_routing_does_not_take():
+    for kw, said in ((dict(sparsemixer_eps=0.1), "sparsemixer_eps: the gap of sparsemixer routing, needs score='sparsemixer' (got score='softmax')"),
+                     (dict(score="sparsemixer", k=1), "k: sparsemixer routing chooses 2 experts per token, got k=1"),
+                     (dict(score="sparsemixer", normalize=False), "normalize: a knob of route, not of sparsemixer routing (score='sparsemixer'), got False"),
+                     (dict(score="sparsemixer", scale=2.0), "scale: a knob of route, not of sparsemixer routing (score='sparsemixer'), got 2.0"),
+                     (dict(score="sparsemixer", sparsemixer_eps=-0.1), "sparsemixer_eps: expected a finite number >= 0, got -0.1")):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+            MoEConfig(n_experts=4, **{"k": 2, **kw})
+
+
+def test_sparsemixer_moe_weighs_within_its_gap_and_balances_on_the_softmax():
+    """score "sparsemixer", eps 0.5, logits [1, 3, 2, 0]: the first round keeps every expert
+    (expert 1 weighted softmax(l)[1]), the second all but expert 1 (expert 2 weighted by the
+    softmax over [1, 2, 0]); the aux scores are the softmax over the experts; no expert bias."""
+    cfg = MoEConfig(n_experts=4, k=2, score="sparsemixer", sparsemixer_eps=0.5, impl="torch")
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu").items()}
+    params["router"].zero_()
+    params["router"][:, 0] = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    x = torch.zeros(1, H)
+    x[0, 0] = 1.0
+    y, stats = moe(x, params, cfg)
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    w1, w2 = torch.softmax(logits, -1)[1], torch.softmax(logits[[0, 2, 3]], -1)[1]
+    p = params
+    want = sum(w * (F.silu(x[0] @ p["w_gate"][e]) * (x[0] @ p["w_up"][e])) @ p["w_down"][e] for w, e in ((w1, 1), (w2, 2)))
+    torch.testing.assert_close(y[0], want, rtol=1e-5, atol=1e-6)
+    assert stats["tokens_per_expert"].tolist() == [0, 1, 1, 0]
+    torch.testing.assert_close(stats["aux_scores"], torch.softmax(logits, -1)[None])
+    with pytest.raises(ValueError, match=re.escape("params['expert_bias']: sparsemixer routing takes no expert bias")):
+        moe(x, dict(params, expert_bias=torch.zeros(4)), cfg)
+
+
+def test_the_norms_eps_default_to_1e_6():
+    """norm_eps (the latent norm's) and expert_out_norm_eps default to 1e-6: on inputs whose
+    mean square is near it, the output is the loop's with both eps 1e-6."""
+    cfg = MoEConfig(n_experts=4, k=2, impl="torch")
+    torch.manual_seed(0)
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu", latent=True).items()}
+    params["w_down"].mul_(1e-3)
+    params.update(latent_norm=0.3 * torch.randn(L), expert_out_norm=0.3 * torch.randn(L))
+    x = 1e-3 * torch.randn(5, H)
+    y, _ = moe(x, params, cfg)
+    y_ref, _ = _loop_moe(x, params, dataclasses.replace(cfg, norm_eps=1e-6, expert_out_norm_eps=1e-6))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_nan_check_runs_only_when_asked():
+    """By default (check_nan False, no host sync) a NaN in x flows on into y; with check_nan
+    the router's logits are checked and named."""
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = _params(cfg, torch.float32, "cpu")
+    x = torch.randn(3, H)
+    x[1, 0] = float("nan")
+    y, _ = moe(x, params, cfg)
+    assert y[1].isnan().any()
+    with pytest.raises(ValueError, match=r"^logits: contains NaN in 1 row\(s\), first at row 1"):
+        moe(x, params, dataclasses.replace(cfg, check_nan=True))
+
+
+def test_moe_names_a_tensor_of_the_wrong_dtype_or_layout():
+    """The routed experts' biases, the router, the shared experts, the latent projections,
+    the output bias, the hash table, route_x and an experts callable's counts: each wrong one
+    named as moe's own argument."""
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu", shared=True).items()}
+    x = torch.randn(5, H)
+    for name, value, said in (
+            ("b_up", torch.zeros(4, FFN, dtype=torch.bfloat16),
+             "params['b_up']: expected torch.float32 [4, 16] (experts, FFN or hidden) or none, got torch.bfloat16 [4, 16]"),
+            ("router", params["router"].bfloat16(),
+             "params['router']: expected float32 [4, 32] (cfg.n_experts, x's hidden size), got (4, 32) torch.bfloat16"),
+            ("shared_w_up", params["shared_w_up"].bfloat16(), "params['shared_w_up']: expected torch.float32 [32, 32], got torch.bfloat16 [32, 32]"),
+            ("out_bias", torch.zeros(H, dtype=torch.long),
+             "params['out_bias']: expected a float [32] bias on the block's output or none, got torch.int64 [32]")):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+            moe(x, dict(params, **{name: value}), cfg)
+    with pytest.raises(ValueError, match=re.escape("params['latent_out']: a latent MoE needs latent_in [H, L] and latent_out [L, H] in x's "
+                                                   "dtype torch.float32, expected [12, 32], got torch.bfloat16 [12, 32]")):
+        moe(x, dict(params, latent_in=torch.randn(H, L), latent_out=torch.randn(L, H).bfloat16()), cfg)
+    ids = torch.tensor([0, 1, 2, 0, 1])
+    with pytest.raises(ValueError, match=re.escape("params['hash_table']: expected an int tensor [V, 2] (cfg.k experts per token id), "
+                                                   "got torch.int64 [3, 3]")):
+        moe(x, dict(params, hash_table=torch.zeros(3, 3, dtype=torch.long)), cfg, token_ids=ids)
+    with pytest.raises(ValueError, match=re.escape("expert_bias: hash routing's experts are its table's (params['hash_table']), not with expert_bias")):
+        moe(x, dict(params, hash_table=torch.zeros(3, 2, dtype=torch.long), expert_bias=torch.zeros(4)), cfg, token_ids=ids)
+    with pytest.raises(ValueError, match=re.escape("route_x: expected None or a torch.float32 tensor of x's shape (5, 32), got torch.bfloat16 (5, 32)")):
+        moe(x, params, cfg, route_x=x.bfloat16())
+    routed = {n: params[n] for n in ("router", "w_gate", "w_up", "w_down")}
+    with pytest.raises(ValueError, match=re.escape("experts: expected counts, an int tensor [4] (slots per expert), got torch.bool [4]")):
+        moe(x, routed, cfg, experts=lambda xx, r: (local_experts(xx, r, routed, cfg)[0], torch.ones(4, dtype=torch.bool)))
+
+
+def test_dense_mlp_biases_and_activations_match_their_formulas():
+    """Each bias on its own projection; the clamped SwiGLU g sigmoid(alpha g) (u + offset) of
+    the clamped g <= limit and |u| <= limit; the MLPs without a gate act(x w_up + b_up) w_down +
+    b_down per act, which take no alpha or offset."""
+    g = torch.Generator().manual_seed(5)
+    T, F_ = 6, 8
+    x = torch.randn(T, H, generator=g)
+    wg, wu, wd = (0.3 * torch.randn(*shape, generator=g) for shape in ((H, F_), (H, F_), (F_, H)))
+    bg, bu, bd = (0.3 * torch.randn(n, generator=g) for n in (F_, F_, H))
+    gate, up = x @ wg + bg, x @ wu + bu
+    torch.testing.assert_close(dense_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd), (F.silu(gate) * up) @ wd + bd, rtol=1e-5, atol=1e-6)
+    gc, uc = gate.clamp(max=0.5), up.clamp(-0.5, 0.5)
+    assert (gate > 0.5).any() and (up.abs() > 0.5).any()
+    torch.testing.assert_close(dense_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, limit=0.5, alpha=1.702, offset=1.0),
+                               (gc * torch.sigmoid(1.702 * gc) * (uc + 1.0)) @ wd + bd, rtol=1e-5, atol=1e-6)
+    for act, fn in (("relu2", lambda u: torch.relu(u).square()), ("relu", torch.relu), ("gelu", F.gelu),
+                    ("gelu_new", functools.partial(F.gelu, approximate="tanh"))):
+        torch.testing.assert_close(dense_mlp(x, None, wu, wd, act=act, b_up=bu, b_down=bd), fn(up) @ wd + bd, rtol=1e-5, atol=1e-6, msg=act)
+    for kw, said in ((dict(alpha=1.702), "alpha: the SwiGLU's, not of act 'relu2' (an MLP without a gate)"),
+                     (dict(offset=1.0), "offset: the SwiGLU's, not of act 'relu2' (an MLP without a gate)")):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+            dense_mlp(x, None, wu, wd, act="relu2", **kw)
+
+
+def test_moe_shared_experts_take_their_own_knobs_and_the_output_bias():
+    """The shared experts (params shared_w_*) are dense_mlp with cfg's shared_swiglu_alpha,
+    shared_swiglu_offset and fp8, times sigmoid(x . shared_gate) and cfg.shared_scale, added to
+    the routed experts' output; params out_bias is added last."""
+    cfg = MoEConfig(n_experts=4, k=2, shared_swiglu_alpha=1.702, shared_swiglu_offset=1.0, shared_scale=0.5, impl="torch")
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu", shared=True).items()}
+    routed_only = {n: params[n] for n in ("router", "w_gate", "w_up", "w_down")}
+    out_bias = torch.randn(H)
+    x = torch.randn(6, H)
+    for fp8 in (False, True):
+        c = dataclasses.replace(cfg, fp8=fp8)
+        routed, _ = moe(x, routed_only, c)
+        shared = dense_mlp(x, params["shared_w_gate"], params["shared_w_up"], params["shared_w_down"], alpha=1.702, offset=1.0, fp8=fp8,
+                           impl="torch")
+        want = routed + 0.5 * shared * torch.sigmoid(x @ params["shared_gate"])[:, None] + out_bias
+        torch.testing.assert_close(moe(x, dict(params, out_bias=out_bias), c)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_latent_moe_s_projections_run_in_fp8_with_cfg_fp8():
+    """cfg.fp8: latent_in and latent_out are fp8_matmul's, like the experts' GEMMs."""
+    cfg = MoEConfig(n_experts=4, k=2, fp8=True, impl="torch")
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu", latent=True).items()}
+    routed = {n: params[n] for n in ("router", "w_gate", "w_up", "w_down")}
+    x = torch.randn(6, H)
+    seen = []
+
+    def experts(x_e, routes):
+        out = local_experts(x_e, routes, routed, cfg)
+        seen.extend((x_e, out[0]))
+        return out
+
+    y, _ = moe(x, {n: params[n] for n in ("router", "latent_in", "latent_out")}, cfg, experts=experts)
+    assert torch.equal(seen[0], ops.fp8_matmul(x, params["latent_in"], impl="torch"))
+    assert torch.equal(y, ops.fp8_matmul(seen[1], params["latent_out"], impl="torch"))
+
+
+def test_logit_softcap_caps_the_scaled_router_logits():
+    cfg = MoEConfig(n_experts=4, k=2, logit_softcap=2.0, logit_scale=3.0)
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu").items()}
+    x = torch.randn(6, H)
+    _, stats = moe(x, params, cfg)
+    logits = x @ params["router"].T * 3.0
+    assert (logits.abs() > 2.0).any()
+    torch.testing.assert_close(stats["router_logits"], 2.0 * torch.tanh(logits / 2.0))
+
+
+def test_hash_routing_scales_the_weights_by_cfg_scale():
+    cfg = MoEConfig(n_experts=4, k=2, score="sigmoid", normalize=False, scale=2.5)
+    params = {n: t.detach() for n, t in _params(cfg, torch.float32, "cpu").items()}
+    params["hash_table"] = torch.tensor([[0, 1], [2, 3], [1, 3]])
+    ids, x = torch.tensor([0, 1, 2, 0, 1, 2]), torch.randn(6, H)
+    y = moe(x, params, cfg, token_ids=ids)[0]
+    y_unscaled = moe(x, params, dataclasses.replace(cfg, scale=None), token_ids=ids)[0]
+    torch.testing.assert_close(y, 2.5 * y_unscaled)
+
+
+def test_check_clip_qkv_names_a_bad_bound_and_multi_latent_attention():
+    from fmoe.layers import check_clip_qkv
+
+    check_clip_qkv(None, 16)
+    check_clip_qkv(8.0, None)
+    for value in (0.0, -1.0, math.inf, True):
+        with pytest.raises(ValueError, match=re.escape(f"clip_qkv: expected None or a finite number > 0, got {value!r}")):
+            check_clip_qkv(value, None)
+    with pytest.raises(ValueError, match=re.escape("clip_qkv: clamps grouped-query attention's q, k and v, not multi-latent attention's")):
+        check_clip_qkv(8.0, 16)
+
+
+def test_the_z_loss_alone_reaches_the_router_through_the_stats():
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = _params(cfg, torch.float32, "cpu")
+    x = torch.randn(6, H)
+    _, stats = moe(x, params, cfg)
+    ops.z_loss(stats["router_logits"]).backward()
+    logits = (x @ params["router"].detach().T).requires_grad_()
+    ops.z_loss(logits).backward()
+    torch.testing.assert_close(params["router"].grad, logits.grad.T @ x)
 
 
 # ---------------------------------------------------------------------------- module
