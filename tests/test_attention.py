@@ -349,6 +349,58 @@ def test_yarn_softmax_scale_uses_mscale_all_dim():
     assert softmax_scale(CFG) == pytest.approx(16**-0.5)
 
 
+def test_softmax_scale_takes_the_config_s_scale_first():
+    assert softmax_scale(dataclasses.replace(CFG, scale=0.5)) == 0.5
+    assert softmax_scale(dataclasses.replace(YARN, scale=0.25)) == 0.25
+
+
+def _plain_angles(T, rot, base=10000.0):
+    inv_freq = base ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    return torch.arange(T, dtype=torch.float64)[:, None], inv_freq
+
+
+def test_rope_tables_written_out_for_reversed_linear_and_proportional_rope():
+    """reversed: sin negated; linear_factor f: every frequency / f; rope_proportion p: the
+    first int(p D / 2) frequencies turn, the rest are zero (cos 1, sin 0)."""
+    t, inv_freq = _plain_angles(6, 16)
+    for knobs, freq in ((dict(), inv_freq), (dict(linear_factor=4.0), inv_freq / 4.0),
+                        (dict(rope_proportion=0.25), torch.where(torch.arange(8) < 2, inv_freq, 0.0))):
+        cos, sin = rope_tables(torch.arange(6), dataclasses.replace(CFG, **knobs))
+        torch.testing.assert_close(cos, (t * freq).cos().float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin, (t * freq).sin().float(), rtol=1e-6, atol=1e-6)
+    cos, sin = rope_tables(torch.arange(6), dataclasses.replace(CFG, reversed=True))
+    torch.testing.assert_close(cos, (t * inv_freq).cos().float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, -(t * inv_freq).sin().float(), rtol=1e-6, atol=1e-6)
+    assert float(sin.abs().max()) > 0.5
+
+
+def test_yarn_tables_carry_mscale_over_mscale_all_dim():
+    cos, sin = rope_tables(torch.arange(3), YARN)
+    scale = yarn_mscale(4.0, 0.7) / yarn_mscale(4.0, 1.0)
+    assert scale != pytest.approx(1 / scale)
+    torch.testing.assert_close(cos[0], torch.full((8,), scale), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin[0], torch.zeros(8))
+
+
+def test_yarn_knobs_are_refused_under_their_config_names():
+    for knobs, match in ((dict(yarn_beta_fast=0.5, yarn_beta_slow=1.0), r"^yarn_beta_fast: expected at least beta_slow = 1, got 0.5"),
+                         (dict(yarn_original_max_positions=0), r"^yarn_original_max_positions: expected >= 1, got 0"),
+                         (dict(yarn_mscale_all_dim=math.nan), r"^yarn_mscale_all_dim: expected a finite number, got nan")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(CFG, yarn_factor=4.0, **knobs)
+
+
+def test_the_mask_s_kind_follows_impl_and_device():
+    """A BlockMask for impl "flex" (and "auto" on CUDA); on CPU "auto", "torch" and "triton"
+    build the dense [T, T] bool mask."""
+    cu = torch.tensor([0, 3, 8])
+    dense = document_mask(cu, 8, flex=False)
+    for impl in ("auto", "torch", "triton"):
+        mask = _ctx(cu, dataclasses.replace(CFG, impl=impl)).mask
+        assert isinstance(mask, torch.Tensor) and torch.equal(mask, dense)
+    assert not isinstance(_ctx(cu, dataclasses.replace(CFG, impl="flex")).mask, torch.Tensor)
+
+
 def test_attention_bad_inputs():
     p = _params(CFG)
     x, cu = torch.randn(6, H), torch.tensor([0, 6])
@@ -431,6 +483,31 @@ def test_attention_bad_inputs():
     assert alone.mask is alone.local_mask and torch.equal(alone.mask, attention_context(cu, torch.arange(6), windowed).local_mask)
     with pytest.raises(ValueError, match=r"window_only: a context of the sliding window's \(chunk's\) layers alone needs cfg.window or cfg.chunk and no mask, got window None, chunk None"):
         attention_context(cu, torch.arange(6), CFG, window_only=True)
+
+
+def test_context_bad_inputs_name_the_first_missing_or_conflicting_argument():
+    cu, index = torch.tensor([0, 16]), torch.arange(8)
+    with pytest.raises(ValueError, match=r"^gather_kv: context parallel needs token_index, kv_index and gather_kv together, got only \['token_index'\]"):
+        attention_context(cu, torch.arange(8), CFG, token_index=index)
+    with pytest.raises(ValueError, match=r"^kv_index: context parallel needs token_index, kv_index and gather_kv together, got only \['token_index', 'gather_kv'\]"):
+        attention_context(cu, torch.arange(8), CFG, token_index=index, gather_kv=lambda k, v: (k, v))
+    windowed = dataclasses.replace(CFG, window=3)
+    mask = _ctx(torch.tensor([0, 6]), windowed).mask
+    with pytest.raises(ValueError, match=r"window_only: .* needs cfg.window or cfg.chunk and no mask, got window 3, chunk None and a mask"):
+        attention_context(torch.tensor([0, 6]), torch.arange(6), windowed, mask=mask, window_only=True)
+
+
+def test_local_rope_tables_only_in_a_context_with_a_local_mask():
+    """local_rope_base: the tables of plain RoPE at that base over the local layers' head dim
+    (local_head_dim), built only where the context holds a window's or chunk's mask."""
+    cu = torch.tensor([0, 6])
+    ctx = _ctx(cu, dataclasses.replace(CFG, local_rope_base=1000.0))
+    assert ctx.local_mask is None and ctx.local_rope_base is None and ctx.local_cos is None and ctx.local_sin is None
+    ctx = _ctx(cu, dataclasses.replace(CFG, window=4, local_rope_base=1000.0, local_head_dim=32))
+    t, inv_freq = _plain_angles(6, 32, base=1000.0)
+    assert ctx.local_rope_base == 1000.0 and ctx.local_cos.shape == (6, 16)
+    torch.testing.assert_close(ctx.local_cos, (t * inv_freq).cos().float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ctx.local_sin, (t * inv_freq).sin().float(), rtol=1e-6, atol=1e-6)
 
 
 def test_document_mask_dense_and_block_agree():
@@ -693,6 +770,8 @@ def _create_block_mask(dense, block):
     ([0, 16, 32, 48, 64, 200, 256], 16, True, 32),
     ([0, 300], 16, False, 31),                        # one key short of two blocks: no pair is full (one key too wide made some)
     ([0, 5, 130, 250, 300], 128, False, 100),
+    ([0, 9], 4, True, None),                          # a last block of one token, which sees itself
+    ([0, 16], 4, False, 5),                           # a query block exactly a window past a key block: not visited
 ])
 def test_block_mask_is_create_block_masks_without_the_dense_mask(cu, block, has_full, window):
     """document_mask(flex=True) equals create_block_mask on the dense mask: the same blocks
@@ -1606,6 +1685,18 @@ def test_longrope_switches_per_document_and_reads_the_global_document_under_cont
     short = dataclasses.replace(LONGROPE, longrope_long_factors=None, longrope_long_scale=1.1)
     torch.testing.assert_close(attention_context(cu, positions, short).cos[5:14], rope_tables(torch.arange(9), short)[0])
     assert (rope_tables(torch.arange(9), short)[0] - ctx.cos[5:14]).abs().max() > 0.1
+
+
+def test_longrope_long_scale_without_long_factors_scales_the_long_documents():
+    """No long factors but a long scale of its own: a sequence longer than
+    longrope_original_max_positions gets the short factors and the long scale."""
+    cfg = dataclasses.replace(LONGROPE, longrope_long_factors=None)
+    t, base = _plain_angles(9, 8)
+    angles = t * (base / torch.tensor(cfg.longrope_short_factors, dtype=torch.float64))[None, :]
+    for T, scale in ((9, 1.3), (6, 1.1)):
+        cos, sin = rope_tables(torch.arange(T), cfg)
+        torch.testing.assert_close(cos, (angles[:T].cos() * scale).float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin, (angles[:T].sin() * scale).float(), rtol=1e-6, atol=1e-6)
 
 
 def test_longrope_knobs_are_checked():
