@@ -493,35 +493,6 @@ def test_gemma4_router_reads_its_own_input_through_its_norm_and_scales_each_expe
         moe(x, params, cfg, route_x=r[:3])
 
 
-def test_moe_config_refuses_out_of_range_knobs_naming_them():
-    """Each knob out of its range is named when the config is made: a negative count of zero
-    experts, an infinite eps or logit scale, a zero (or bool) shared scale, a zero cap or
-    capacity, an unknown capacity policy, a fp8 that is not a bool, fp8_fast_accum without fp8."""
-    for kw, said in ((dict(zero_experts=-1), "zero_experts: expected >= 0, got -1"),
-                     (dict(norm_eps=math.inf), "norm_eps: expected a finite number >= 0, got inf"),
-                     (dict(expert_out_norm_eps=math.inf), "expert_out_norm_eps: expected a finite number >= 0, got inf"),
-                     (dict(logit_scale=math.inf), "logit_scale: expected a positive finite number, got inf"),
-                     (dict(shared_scale=0.0), "shared_scale: expected a positive finite number, got 0.0"),
-                     (dict(shared_scale=True), "shared_scale: expected a positive finite number, got True"),
-                     (dict(logit_softcap=0.0), "logit_softcap: expected None or a positive finite number, got 0.0"),
-                     (dict(capacity_factor=0.0), "capacity_factor: expected None or a positive finite number, got 0.0"),
-                     (dict(capacity_factor=1.0, capacity_policy="bogus"), "capacity_policy: expected 'probs' or 'position', got 'bogus'"),
-                     (dict(fp8="yes"), "fp8: expected a bool"),
-                     (dict(fp8_fast_accum=True), "fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True")):
-        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
-            MoEConfig(n_experts=4, k=2, **kw)
-
-
-def test_moe_config_names_the_knobs_sparsemixer_routing_does_not_take():
-    for kw, said in ((dict(sparsemixer_eps=0.1), "sparsemixer_eps: the gap of sparsemixer routing, needs score='sparsemixer' (got score='softmax')"),
-                     (dict(score="sparsemixer", k=1), "k: sparsemixer routing chooses 2 experts per token, got k=1"),
-                     (dict(score="sparsemixer", normalize=False), "normalize: a knob of route, not of sparsemixer routing (score='sparsemixer'), got False"),
-                     (dict(score="sparsemixer", scale=2.0), "scale: a knob of route, not of sparsemixer routing (score='sparsemixer'), got 2.0"),
-                     (dict(score="sparsemixer", sparsemixer_eps=-0.1), "sparsemixer_eps: expected a finite number >= 0, got -0.1")):
-        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
-            MoEConfig(n_experts=4, **{"k": 2, **kw})
-
-
 def test_sparsemixer_moe_weighs_within_its_gap_and_balances_on_the_softmax():
     """score "sparsemixer", eps 0.5, logits [1, 3, 2, 0]: the first round keeps every expert
     (expert 1 weighted softmax(l)[1]), the second all but expert 1 (expert 2 weighted by the
@@ -1034,7 +1005,10 @@ def test_moe_config_errors_name_its_own_fields():
     """MoEConfig's SwiGLU checks name its fields (glu_act, swiglu_*), not the op's arguments
     (act, limit), as the shared_swiglu_* ones did; a TransformerConfig's name its own
     (mlp_act); capacity_policy without capacity_factor, which would do nothing, is refused
-    as sparsemixer_eps without sparsemixer is."""
+    as sparsemixer_eps without sparsemixer is; each knob out of its range is named (a negative
+    count of zero experts, an infinite eps or logit scale, a zero or bool shared scale, a zero
+    cap or capacity, an unknown capacity policy, a fp8 that is not a bool, fp8_fast_accum
+    without fp8), and the knobs sparsemixer routing does not take."""
     for kw, said in ((dict(glu_act="tanh"), "glu_act: expected one of silu, gelu_tanh, silu_cap (the gate's activation)"),
                      (dict(glu_act="relu2", swiglu_limit=7.0), "swiglu_limit: the routed experts' clamp, alpha / limit / offset: knobs of "
                                                               "a gated MLP's activation, not of act 'relu2' (no gate), got 1.0 / 7.0 / 0.0"),
@@ -1042,9 +1016,25 @@ def test_moe_config_errors_name_its_own_fields():
                      (dict(swiglu_limit=-1.0), "swiglu_limit: the routed experts' clamp, limit: expected > 0 (the SwiGLU clamp) or None"),
                      (dict(glu_act="gelu_tanh", swiglu_alpha=1.702), "swiglu_alpha: the routed experts' gate's sigmoid gain, alpha: the slope"),
                      (dict(capacity_policy="position"), "capacity_policy: the slots the capacity drop keeps, needs capacity_factor "
-                                                        "(got capacity_policy='position', capacity_factor None)")):
-        with pytest.raises(ValueError, match=re.escape(said)):
-            MoEConfig(n_experts=4, k=2, **kw)
+                                                        "(got capacity_policy='position', capacity_factor None)"),
+                     (dict(zero_experts=-1), "zero_experts: expected >= 0, got -1"),
+                     (dict(norm_eps=math.inf), "norm_eps: expected a finite number >= 0, got inf"),
+                     (dict(expert_out_norm_eps=math.inf), "expert_out_norm_eps: expected a finite number >= 0, got inf"),
+                     (dict(logit_scale=math.inf), "logit_scale: expected a positive finite number, got inf"),
+                     (dict(shared_scale=0.0), "shared_scale: expected a positive finite number, got 0.0"),
+                     (dict(shared_scale=True), "shared_scale: expected a positive finite number, got True"),
+                     (dict(logit_softcap=0.0), "logit_softcap: expected None or a positive finite number, got 0.0"),
+                     (dict(capacity_factor=0.0), "capacity_factor: expected None or a positive finite number, got 0.0"),
+                     (dict(capacity_factor=1.0, capacity_policy="bogus"), "capacity_policy: expected 'probs' or 'position', got 'bogus'"),
+                     (dict(fp8="yes"), "fp8: expected a bool"),
+                     (dict(fp8_fast_accum=True), "fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True"),
+                     (dict(sparsemixer_eps=0.1), "sparsemixer_eps: the gap of sparsemixer routing, needs score='sparsemixer' (got score='softmax')"),
+                     (dict(score="sparsemixer", k=1), "k: sparsemixer routing chooses 2 experts per token, got k=1"),
+                     (dict(score="sparsemixer", normalize=False), "normalize: a knob of route, not of sparsemixer routing (score='sparsemixer'), got False"),
+                     (dict(score="sparsemixer", scale=2.0), "scale: a knob of route, not of sparsemixer routing (score='sparsemixer'), got 2.0"),
+                     (dict(score="sparsemixer", sparsemixer_eps=-0.1), "sparsemixer_eps: expected a finite number >= 0, got -0.1")):
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+            MoEConfig(**{"n_experts": 4, "k": 2, **kw})
     assert MoEConfig(n_experts=4, k=2, capacity_factor=1.0, capacity_policy="position").capacity_policy == "position"
     for kw, said in ((dict(mlp_act="relu2", swiglu_limit=7.0), "swiglu_limit: the routed experts' clamp, alpha / limit / offset"),
                      (dict(capacity_policy="position"), "capacity_policy: the slots the capacity drop keeps, needs capacity_factor")):

@@ -582,6 +582,14 @@ def test_argument_checks():
                          (tuple(good.values()), r"ctx.linear_states: expected a LinearStates .*, got tuple")):
         with pytest.raises(ValueError, match=said):
             linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=states))
+    with pytest.raises(ValueError, match=r"params\['wz'\]: expected x's dtype torch.float32, got torch.bfloat16"):
+        linear_attention(x, dict(p, wz=p["wz"].detach().bfloat16()), CFG, ctx)
+    # two sequences' states and 5 tokens: not T / 2 each
+    with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[2, 3, 56\] and state \[2, 4, 8, 6\] do not fit 5 tokens of cfg's layer "
+                                         r"\(expected \[S, 3, 56\], T a multiple of S\)"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=LinearStates(torch.zeros(2, 3, 56), torch.zeros(2, 4, 8, 6))))
+    with pytest.raises(ValueError, match=r"ctx: a context-parallel context \(gather_kv\) without linear_cp: linear attention needs the rule's exchange"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
 
 
 @pytest.mark.parametrize("cfg", [CFG, MAMBA, MAMBA1, SHORT, LIGHT, KDA], ids=lambda c: c.kind)
@@ -759,17 +767,3 @@ def test_decoding_tokens_equal_to_the_rows_is_no_padding():
         ys.append(linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=states))[0])
     torch.testing.assert_close(ys[1], ys[0], rtol=0, atol=0)
     assert ys[1].any(dim=1).all()
-
-
-def test_more_argument_checks():
-    x = torch.randn(5, H)
-    p = _params()
-    ctx = _ctx(torch.tensor([0, 5], dtype=torch.int32), 5)
-    with pytest.raises(ValueError, match=r"params\['wz'\]: expected x's dtype torch.float32, got torch.bfloat16"):
-        linear_attention(x, dict(p, wz=p["wz"].detach().bfloat16()), CFG, ctx)
-    # two sequences' states and 5 tokens: not T / 2 each
-    with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[2, 3, 56\] and state \[2, 4, 8, 6\] do not fit 5 tokens of cfg's layer "
-                                         r"\(expected \[S, 3, 56\], T a multiple of S\)"):
-        linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=LinearStates(torch.zeros(2, 3, 56), torch.zeros(2, 4, 8, 6))))
-    with pytest.raises(ValueError, match=r"ctx: a context-parallel context \(gather_kv\) without linear_cp: linear attention needs the rule's exchange"):
-        linear_attention(x, p, CFG, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
