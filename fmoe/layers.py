@@ -1159,8 +1159,8 @@ class AttentionConfig:
             raise ValueError(f"temperature_kind: expected one of {', '.join(TEMPERATURE_KINDS)}, got {self.temperature_kind!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
-        if self.rope and self.llama3_factor is None and self.longrope_short_factors is None:
-            _check_rope_knobs(self)
+        if (self.rope or self.yarn_factor is not None) and self.llama3_factor is None and self.longrope_short_factors is None:
+            _check_rope_knobs(self)  # without RoPE, YaRN's knobs still set the softmax scale
         if isinstance(self.v_scale, bool) or not isinstance(self.v_scale, (int, float)) or not 0 < self.v_scale < math.inf:
             raise ValueError(f"v_scale: expected a finite number > 0, got {self.v_scale!r}")
         check_clip_qkv(self.clip_qkv, self.kv_rank)
@@ -1405,10 +1405,11 @@ def check_window(window) -> None:
 @functools.lru_cache(maxsize=256)
 def _check_rope_knobs(cfg: AttentionConfig) -> None:
     """The RoPE or YaRN knobs, checked by the ops on no positions and named as the config's
-    fields; once per distinct config (each micro-batch's context and each decode step build
-    an equal one)."""
+    fields (a layer without RoPE: YaRN's of the softmax scale alone); once per distinct config
+    (each micro-batch's context and each decode step build an equal one)."""
     try:
-        rope_tables(torch.zeros(0, dtype=torch.long), cfg)
+        if cfg.rope:
+            rope_tables(torch.zeros(0, dtype=torch.long), cfg)
         softmax_scale(cfg)
     except ValueError as e:
         name, rest = str(e).split(":", 1)

@@ -382,14 +382,6 @@ def test_yarn_tables_carry_mscale_over_mscale_all_dim():
     torch.testing.assert_close(sin[0], torch.zeros(8))
 
 
-def test_yarn_knobs_are_refused_under_their_config_names():
-    for knobs, match in ((dict(yarn_beta_fast=0.5, yarn_beta_slow=1.0), r"^yarn_beta_fast: expected at least beta_slow = 1, got 0.5"),
-                         (dict(yarn_original_max_positions=0), r"^yarn_original_max_positions: expected >= 1, got 0"),
-                         (dict(yarn_mscale_all_dim=math.nan), r"^yarn_mscale_all_dim: expected a finite number, got nan")):
-        with pytest.raises(ValueError, match=match):
-            dataclasses.replace(CFG, yarn_factor=4.0, **knobs)
-
-
 def test_the_mask_s_kind_follows_impl_and_device():
     """A BlockMask for impl "flex" (and "auto" on CUDA); on CPU "auto", "torch" and "triton"
     build the dense [T, T] bool mask."""
@@ -1561,12 +1553,85 @@ DSA_BAD_KNOBS = [  # (config, change, message)
 ]
 
 
+_CSA = dict(n_kv_heads=1, kv_shared=True, compress_rate=4, compress_topk=2, q_rank=8, index_head_dim=16)
+_BLOCKS = dict(index_topk_blocks=2, index_heads=2, index_head_dim=16)
+ATTENTION_BAD_KNOBS = [  # (config, change, message): refused as the config is built
+    (CFG, dict(local_rot_dim=8), r"^local_rot_dim: the channels the local layers' own RoPE rotates, needs local_rope_base"),
+    (CFG, dict(window=4, local_rope_base=100.0, local_rot_dim=7), r"^local_rot_dim: expected an even int in 2..head_dim = 16, or None, got 7"),
+    (CFG, dict(window=4, local_rope_base=100.0, local_head_dim=8, local_rot_dim=12),
+     r"^local_rot_dim: expected an even int in 2..head_dim = 8, or None, got 12"),
+    (CFG, dict(gate_per_head=1), r"^gate_per_head: expected a bool, got 1"),
+    (CFG, dict(fp8=1), r"^fp8: expected a bool \(True: the projections' GEMMs in fp8, fmoe.ops.fp8_matmul\), got 1"),
+    (CFG, dict(llama3_factor=8.0, yarn_factor=4.0), r"^llama3_factor: one RoPE scaling at a time, not with yarn_factor"),
+    (CFG, dict(llama3_factor=0.0), r"^llama3_factor: expected a finite number > 0, got 0.0"),
+    (CFG, dict(llama3_factor=8.0, llama3_original_max_positions=0), r"^llama3_original_max_positions: expected >= 1, got 0"),
+    (CFG, dict(longrope_short_factors=(1.0,) * 8, longrope_short_scale=math.inf), r"^longrope_short_scale: expected a finite number > 0, got inf"),
+    (MLA, dict(out_norm=True), r"^out_norm: each grouped-query attention head's output normed \(a bool; True needs kv_rank None\), got True"),
+    (CFG, dict(v_norm=True, v_dim=8), r"^v_norm: a knob of grouped-query attention's values \(a bool; True needs kv_rank and v_dim None\), got True"),
+    (CFG, dict(k_eq_v=True, v_dim=8), r"^k_eq_v: a knob of grouped-query attention's values"),
+    (CFG, dict(score_softcap=0.0), r"^score_softcap: expected None or a positive finite number, without index_topk \(the sparse kernel has no cap\), got 0.0"),
+    (CFG, dict(score_softcap=math.inf), r"^score_softcap: expected None or a positive finite number, .*got inf"),
+    (DSA, dict(score_softcap=30.0), r"^score_softcap: expected None or a positive finite number, without index_topk"),
+    (CFG, dict(rope_proportion=0.5, rot_dim=8), r"^rope_proportion: proportional RoPE over every channel of each head, not with yarn_factor, "
+                                               r"llama3_factor, longrope_short_factors or a rot_dim"),
+    (CFG, dict(linear_factor=math.inf), r"^linear_factor: expected None or a positive finite number \(positions read as p / factor\), got inf"),
+    (CFG, dict(linear_factor=2.0, longrope_short_factors=(1.0,) * 8),
+     r"^linear_factor: one RoPE scaling at a time, not with yarn_factor, llama3_factor or longrope_short_factors"),
+    (CFG, dict(scale=math.inf), r"^scale: expected None or a positive finite number, got inf"),
+    (CFG, dict(yarn_factor=4.0, yarn_beta_fast=0.5, yarn_beta_slow=1.0), r"^yarn_beta_fast: expected at least beta_slow = 1, got 0.5"),
+    (CFG, dict(yarn_factor=4.0, yarn_original_max_positions=0), r"^yarn_original_max_positions: expected >= 1, got 0"),
+    (CFG, dict(yarn_factor=4.0, yarn_mscale_all_dim=math.nan), r"^yarn_mscale_all_dim: expected a finite number, got nan"),
+    (CFG, dict(rope=False, yarn_factor=-1.0), r"^yarn_factor: expected a finite number > 0, got -1.0"),  # no RoPE: YaRN still scales the softmax
+    (CFG, dict(qk_norm="layer", zero_centered_norms=True), r"^zero_centered_norms: a gain of 1 \+ weight in RMSNorms, not in the LayerNorms of qk_norm 'layer'"),
+    (CFG, dict(qk_norm="head", qk_norm_bias=True),
+     r"^qk_norm_bias: the q/k LayerNorms' biases \(a bool; True needs qk_norm 'head_layer' or 'layer'\), got True with qk_norm 'head'"),
+    (MLA, dict(latent_scales=(1.0, 2.0, 3.0)), r"^latent_scales: expected None or two finite numbers > 0 \(the queries', the kv latent's\), got \(1.0, 2.0, 3.0\)"),
+    (MLA, dict(q_rank=None, latent_scales=(1.0, 2.0)), r"^latent_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank"),
+    (MLA, dict(rot_dim=12), r"^rot_dim: multi-latent attention rotates a part of each head, expected rot_dim < head_dim = 12, got 12"),
+    (CFG, dict(index_local_blocks=2), r"^index_local_blocks: a knob of block-sparse attention, needs index_topk_blocks"),
+    (MLA, dict(index_shared=True), r"^index_shared: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+    (DSA, dict(index_shared=True, index_loss=True), r"^index_loss: a layer of index_shared has no indexer of its own to train"),
+    (DSA, dict(index_norm_eps=math.inf), r"^index_norm_eps: expected a positive finite number, got inf"),
+    (CFG, dict(n_heads=4, moa_experts=3, moa_topk=2, qk_norm="head_layer"), r"^qk_norm: not with a mixture of attention heads \(moa_experts\)"),
+    (CFG, dict(rope_last=True, rot_dim=8, **_BLOCKS), r"^rope_last: RoPE on the last rot_dim channels of grouped-query attention's heads, .* or index_topk_blocks"),
+    (CFG, dict(score_softcap=30.0, **_BLOCKS), r"^score_softcap: not with block-sparse attention \(index_topk_blocks\)"),
+    (MLA, dict(index_topk_blocks=2, index_heads=4, index_head_dim=12), r"^index_topk_blocks: block-sparse attention chooses blocks per kv head .*not with kv_rank"),
+    (CFG, dict(compress_rate=4, kv_shared=True), r"^compress_rate: heavily compressed attention's entries are one shared key-value head's, .*got kv_shared=True, n_kv_heads=2"),
+    (CFG, dict(_CSA, index_shared=True), r"^index_shared: a knob of DeepSeek sparse attention's indexer, needs index_topk \(compressed sparse attention's indexer"),
+]
+
+
+@pytest.mark.parametrize("cfg, change, message", ATTENTION_BAD_KNOBS + DSA_BAD_KNOBS)
+def test_attention_config_knobs_are_checked(cfg, change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(cfg, **change)
+
+
+def test_attention_config_takes_its_knobs_bounds():
+    """The largest or widest value each check allows is taken (the bounds are inclusive where the docstring says so)."""
+    assert dataclasses.replace(CFG, rope_proportion=1.0).rope_proportion == 1.0
+    assert dataclasses.replace(CFG, window=4, local_rope_base=100.0, local_head_dim=32, local_rot_dim=32).local_rot_dim == 32
+    assert dataclasses.replace(CFG, qk_norm="head_k", qk_norm_after_rope=True).qk_norm_after_rope is True
+    assert dataclasses.replace(DSA, index_head_dim=4).index_head_dim == 4  # index_head_dim = rot_dim
+    blocks = dataclasses.replace(CFG, index_local_blocks=2, **_BLOCKS)  # every chosen block a local one; index_head_dim = head_dim
+    assert (blocks.index_local_blocks, blocks.index_head_dim) == (2, 16)
+    assert dataclasses.replace(CFG, **dict(_CSA, rope=False, index_head_dim=8)).index_head_dim == 8  # no RoPE: no rot_dim bound on the indexer
+
+
+def test_attention_config_defaults():
+    """The knobs' defaults are the reference models' (transformers' YaRN and Llama 3.1 defaults, Llama 4's temperature tuning)."""
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16)
+    assert (cfg.rope_base, cfg.norm_eps, cfg.latent_norm_eps, cfg.impl, cfg.gate_act) == (10000.0, 1e-6, 1e-6, "auto", "sigmoid")
+    assert (cfg.yarn_original_max_positions, cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_mscale, cfg.yarn_mscale_all_dim, cfg.yarn_truncate) \
+        == (4096, 32.0, 1.0, 1.0, 1.0, True)
+    assert (cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor, cfg.llama3_original_max_positions) == (1.0, 4.0, 8192)
+    assert (cfg.temperature_scale, cfg.temperature_offset, cfg.temperature_kind) == (0.1, 1, "log")
+    assert cfg.has_wv and not dataclasses.replace(cfg, k_eq_v=True).has_wv and not dataclasses.replace(cfg, n_kv_heads=1, kv_shared=True).has_wv
+
+
 def test_deepseek_sparse_attention_bad_inputs():
     from fmoe.layers import index_loss
 
-    for cfg, change, message in DSA_BAD_KNOBS:
-        with pytest.raises(ValueError, match=message):
-            dataclasses.replace(cfg, **change)
     cu = torch.tensor([0, 6], dtype=torch.int32)
     x, p = torch.randn(6, H), {n: t.detach() for n, t in _dsa_params(DSA).items()}
     with pytest.raises(ValueError, match=r"params\['index_w'\]: expected a float \[32, 8\] tensor \(the indexer of cfg.index_topk\), got nothing"):
