@@ -35,6 +35,12 @@ def _temperatures(positions, cfg):
     return torch.tensor([1 + cfg.temperature_scale * math.log(1 + (t + cfg.temperature_offset) // f) for t in p])
 
 
+def _plain_angles(positions, rot, base=10000.0):
+    """Plain RoPE written out: the positions [T, 1] and the inverse frequencies [rot / 2], float64."""
+    inv_freq = base ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    return positions.double()[:, None], inv_freq
+
+
 def _loop_attention(x, p, cfg, cu):
     """Token by token, head by head, each document on its own: the definition."""
     T, (N, G, D) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
@@ -42,8 +48,8 @@ def _loop_attention(x, p, cfg, cu):
     local = cfg.window is not None or cfg.chunk is not None
     if local and cfg.local_rope_base is not None:  # a local layer's own plain RoPE: the inverse frequencies written out
         rot = cfg.rot_dim or D
-        inv_freq = cfg.local_rope_base ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-        angles = positions.double()[:, None] * inv_freq[None, :]
+        t, inv_freq = _plain_angles(positions, rot, cfg.local_rope_base)
+        angles = t * inv_freq[None, :]
         cos, sin = angles.cos().float(), angles.sin().float()
     else:
         cos, sin = rope_tables(positions, cfg)
@@ -354,15 +360,10 @@ def test_softmax_scale_takes_the_config_s_scale_first():
     assert softmax_scale(dataclasses.replace(YARN, scale=0.25)) == 0.25
 
 
-def _plain_angles(T, rot, base=10000.0):
-    inv_freq = base ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-    return torch.arange(T, dtype=torch.float64)[:, None], inv_freq
-
-
 def test_rope_tables_written_out_for_reversed_linear_and_proportional_rope():
     """reversed: sin negated; linear_factor f: every frequency / f; rope_proportion p: the
     first int(p D / 2) frequencies turn, the rest are zero (cos 1, sin 0)."""
-    t, inv_freq = _plain_angles(6, 16)
+    t, inv_freq = _plain_angles(torch.arange(6), 16)
     for knobs, freq in ((dict(), inv_freq), (dict(linear_factor=4.0), inv_freq / 4.0),
                         (dict(rope_proportion=0.25), torch.where(torch.arange(8) < 2, inv_freq, 0.0))):
         cos, sin = rope_tables(torch.arange(6), dataclasses.replace(CFG, **knobs))
@@ -496,7 +497,7 @@ def test_local_rope_tables_only_in_a_context_with_a_local_mask():
     ctx = _ctx(cu, dataclasses.replace(CFG, local_rope_base=1000.0))
     assert ctx.local_mask is None and ctx.local_rope_base is None and ctx.local_cos is None and ctx.local_sin is None
     ctx = _ctx(cu, dataclasses.replace(CFG, window=4, local_rope_base=1000.0, local_head_dim=32))
-    t, inv_freq = _plain_angles(6, 32, base=1000.0)
+    t, inv_freq = _plain_angles(torch.arange(6), 32, base=1000.0)
     assert ctx.local_rope_base == 1000.0 and ctx.local_cos.shape == (6, 16)
     torch.testing.assert_close(ctx.local_cos, (t * inv_freq).cos().float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ctx.local_sin, (t * inv_freq).sin().float(), rtol=1e-6, atol=1e-6)
@@ -1756,7 +1757,7 @@ def test_longrope_long_scale_without_long_factors_scales_the_long_documents():
     """No long factors but a long scale of its own: a sequence longer than
     longrope_original_max_positions gets the short factors and the long scale."""
     cfg = dataclasses.replace(LONGROPE, longrope_long_factors=None)
-    t, base = _plain_angles(9, 8)
+    t, base = _plain_angles(torch.arange(9), 8)
     angles = t * (base / torch.tensor(cfg.longrope_short_factors, dtype=torch.float64))[None, :]
     for T, scale in ((9, 1.3), (6, 1.1)):
         cos, sin = rope_tables(torch.arange(T), cfg)
