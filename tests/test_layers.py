@@ -754,6 +754,50 @@ def test_module_matches_the_functional_layer():
     assert torch.equal(stats["tokens_per_expert"], stats_fn["tokens_per_expert"])
 
 
+def test_module_with_every_bias_and_router_gain_matches_the_functional_layer():
+    """A module holding a router bias, expert biases, Gemma 4's router norm and expert scales and an output bias passes
+    every one of them to moe, and its expert bias (x [2, 3, H] in, of x's shape out); reset_parameters starts the biases
+    and the expert bias at 0 and the router norm and expert scales at 1; a cast keeps the router's tensors float32."""
+    cfg = MoEConfig(n_experts=4, k=2, impl="torch")
+    torch.manual_seed(0)
+    layer = MoE(H, FFN, cfg, router_bias=True, expert_biases=True, router_norm=True, expert_scale=True, out_bias=True, expert_bias=True)
+    names = ("router_bias", "router_norm", "expert_scale", "out_bias", "experts.b_gate", "experts.b_up", "experts.b_down")
+    with torch.no_grad():
+        for name in names:
+            layer.get_parameter(name).copy_(1 + 0.3 * torch.randn(layer.get_parameter(name).shape))
+        layer.expert_bias.copy_(0.1 * torch.randn(4))
+    x = torch.randn(2, 3, H)
+    params = {n.removeprefix("experts."): p for n, p in layer.named_parameters()} | {"expert_bias": layer.expert_bias}
+    y, stats = layer(x)
+    y_fn, stats_fn = moe(x.reshape(6, H), params, cfg)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y.reshape(6, H), y_fn)
+    assert torch.equal(stats["tokens_per_expert"], stats_fn["tokens_per_expert"])
+    layer.reset_parameters()
+    assert torch.equal(layer.expert_bias, torch.zeros(4))
+    for name in names:
+        p = layer.get_parameter(name)
+        assert torch.equal(p, (torch.ones_like if name in ("router_norm", "expert_scale") else torch.zeros_like)(p)), name
+    layer.to(torch.bfloat16)
+    assert {n: layer.get_parameter(n).dtype for n in ("router", *names)} == dict(
+        router=torch.float32, router_bias=torch.float32, router_norm=torch.float32, expert_scale=torch.float32, out_bias=torch.bfloat16,
+        **{f"experts.{n}": torch.bfloat16 for n in ("b_gate", "b_up", "b_down")})
+
+
+def test_a_latent_moe_computes_its_float32_projections_in_the_input_s_dtype():
+    """A latent MoE whose experts are bf16 beside float32 latent_in / latent_out (FSDP2's mixed precision leaves the module's
+    own weights so) runs its bf16 input through the projections cast to bf16, as moe does with bf16 ones."""
+    cfg = MoEConfig(n_experts=4, k=2, impl="torch")
+    torch.manual_seed(0)
+    layer = MoE(H, FFN, cfg, latent=8)
+    layer.experts.to(torch.bfloat16)
+    x = torch.randn(5, H, dtype=torch.bfloat16)
+    y, _ = layer(x)
+    params = {n.removeprefix("experts."): p.to(torch.bfloat16) if n.startswith("latent") else p for n, p in layer.named_parameters()}
+    assert layer.latent_in.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, moe(x, params, cfg)[0], rtol=0, atol=0)
+
+
 def test_shared_swiglu_limit_clamps_the_shared_experts_in_the_module_and_the_functional_layer():
     """MoEConfig.shared_swiglu_limit (Step 3.7's share_expert clamp, with glu_act "silu_cap"):
     the shared experts are min(silu(x wg), L) clamp(x wu, -L, L) wd, in the module and in
@@ -992,13 +1036,17 @@ def test_module_refuses_at_construction_what_moe_would_refuse_at_its_first_call(
             (MoEConfig(n_experts=4, k=2, pre_softmax=True), dict(hash_vocab=10),
              "cfg.pre_softmax: hash routing's experts are its table's (hash_vocab), not with cfg.pre_softmax"),
             (MoEConfig(n_experts=4, k=2, score="sparsemixer"), dict(expert_bias=True),
-             "expert_bias: sparsemixer routing (cfg.score='sparsemixer') takes no expert bias; set expert_bias=False")):
+             "expert_bias: sparsemixer routing (cfg.score='sparsemixer') takes no expert bias; set expert_bias=False"),
+            (MoEConfig(n_experts=4, k=2, score="sigmoid"), dict(expert_bias=True, hash_vocab=10),
+             "expert_bias: a hashed MoE's experts are its table's (hash_vocab), the bias would choose nothing; set expert_bias=False")):
         with pytest.raises(ValueError, match=re.escape(said)):
             MoE(H, FFN, cfg, **kw)
     # a hashed block of a model with the bias on the logits: its table chooses, it owns no bias (TransformerConfig.hash_layers)
     hashed = MoE(H, FFN, MoEConfig(n_experts=4, k=2, score="sigmoid", bias_on_logits=True), hash_vocab=10)
     y, _ = hashed(torch.randn(3, H), token_ids=torch.tensor([1, 2, 3]))
     assert y.shape == (3, H)
+    table = MoE(H, FFN, MoEConfig(n_experts=4, k=2), hash_vocab=64).hash_table  # every expert of 0..3 drawn
+    assert set(table.flatten().tolist()) == {0, 1, 2, 3} and (table[:, 0] != table[:, 1]).all()
 
 
 def test_moe_config_errors_name_its_own_fields():

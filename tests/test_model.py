@@ -10,7 +10,7 @@ from einops import rearrange
 
 import fmoe.layers
 import fmoe.ops
-from fmoe.model import BatchContext, KVCache, RMSNorm, Transformer, TransformerConfig, init_value
+from fmoe.model import BatchContext, KVCache, RMSNorm, Transformer, TransformerConfig, init_parameters, init_value, random_hash_table
 from fmoe.train.data import make_batch
 from fmoe.train.metrics import HostReads, SavedTensors
 
@@ -915,6 +915,8 @@ def test_blocks_without_an_mlp_end_at_their_mixer():
             dataclasses.replace(TINY, **knobs)
     with pytest.raises(ValueError, match=r"mlp: a MoE block has an MLP"):
         fmoe.model.Block(TINY, moe=True, mlp=False)
+    with pytest.raises(ValueError, match=r"hashed: a MoE block's routing by its tokens' ids, needs moe=True"):
+        fmoe.model.Block(TINY, moe=False, hashed=True)
 
 
 def test_a_parallel_hybrid_block_adds_its_attention_to_its_linear_mixer():
@@ -1073,6 +1075,7 @@ def test_gemma4_moe_blocks_add_a_dense_mlp_beside_the_moe_and_scale_their_output
     with torch.no_grad():
         for name in ("router_norm", "expert_scale"):
             getattr(block.mlp, name).uniform_(0.5, 1.5)
+        block.moe_norm.weight.uniform_(0.5, 1.5)  # the experts' input alone: the router reads x itself
         block.layer_scalar.fill_(0.75)
     x = torch.randn(9, 32)
     ctx = attention_context(torch.tensor([0, 9], dtype=torch.int32), torch.arange(9), cfg.context_config())
@@ -1106,6 +1109,76 @@ def test_init_scales_output_projections_and_zeroes_biases():
     assert abs(float(block.attn.wo.detach().std()) - 0.02 / 4) < 0.001  # / sqrt(2 * 8)
     assert torch.equal(block.attn_norm.weight, torch.ones(64))
     assert torch.equal(block.mlp.expert_bias, torch.zeros(TINY.n_experts))
+
+
+def test_reset_parameters_draws_each_matrix_of_its_seed_and_name_at_init_std():
+    """Each matrix is init_value(seed, name, shape, std): std init_std, the output projections' (attention's wo, the
+    dense MLP's, the routed and the shared experts' w_down) init_std / sqrt(2 n_layers); two matrices of one shape
+    draw different values, another seed others; a seed that is not an int >= 0 is refused."""
+    cfg = dataclasses.replace(TINY, init_std=0.05)
+    model = Transformer(cfg)
+    model.reset_parameters(seed=11)
+    out = 0.05 / (2 * cfg.n_layers) ** 0.5
+    stds = {"blocks.1.attn.wq": 0.05, "blocks.1.attn.wo": out, "blocks.0.mlp.w_up": 0.05, "blocks.0.mlp.w_down": out, "blocks.1.mlp.router": 0.05,
+            "blocks.1.mlp.experts.w_gate": 0.05, "blocks.1.mlp.experts.w_down": out, "blocks.1.mlp.shared.w_down": out}
+    for name, std in stds.items():
+        p = model.get_parameter(name)
+        torch.testing.assert_close(p.detach(), init_value(11, name, p.shape, std), rtol=0, atol=0)
+    assert not torch.equal(model.blocks[1].attn.wq, model.blocks[2].attn.wq)
+    wq = model.blocks[1].attn.wq.detach().clone()
+    model.reset_parameters(seed=12)
+    assert not torch.equal(model.blocks[1].attn.wq, wq)
+    for bad, said in ((1.0, "seed: expected an int, got 1.0"), (True, "seed: expected an int, got True"), (-1, "seed: expected >= 0, got -1")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            model.reset_parameters(seed=bad)
+
+
+def test_reset_parameters_starts_hyper_connections_layer_scalars_and_latent_moe_norms():
+    """Hyper-connections: scale 0.01, the pre biases -log(n - 1) and the others 0 (the blocks' and the head's); Gemma 4's
+    layer_scalar 1 again; Muse Spark's latent and expert output norms' weights 0 (gains 1)."""
+    model = Transformer(VARIANTS["mhc"])
+    model.reset_parameters(seed=2)
+    for hc in (model.blocks[0].attn_hc, model.blocks[2].mlp_hc, model.hc_head):
+        assert torch.equal(hc.scale, torch.full_like(hc.scale, 0.01))
+        want = torch.cat([torch.full((4,), -math.log(3)), torch.zeros(hc.base.shape[0] - 4)])
+        torch.testing.assert_close(hc.base.detach(), want, rtol=0, atol=0)
+    gemma = Transformer(dataclasses.replace(VARIANTS["gemma4"], mtp_depth=0))
+    for block in gemma.blocks:
+        block.layer_scalar.fill_(0.75)
+    gemma.reset_parameters(seed=2)
+    assert all(torch.equal(block.layer_scalar, torch.ones(1)) for block in gemma.blocks)
+    muse = Transformer(VARIANTS["muse spark"])
+    with torch.no_grad():
+        for p in muse.parameters():
+            p.fill_(0.5)
+    muse.reset_parameters(seed=2)
+    for mlp in (muse.blocks[1].mlp, muse.blocks[2].mlp):
+        assert torch.equal(mlp.latent_norm, torch.zeros(20)) and torch.equal(mlp.expert_out_norm, torch.zeros(20))
+
+
+def test_init_parameters_without_recursion_leaves_a_child_torch_norm_alone():
+    """recurse=False starts the module's own parameters alone: a child torch norm keeps its weights and running statistics."""
+    own = torch.nn.Module()
+    own.proj = torch.nn.Parameter(torch.zeros(4, 3))
+    own.stats = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        own.stats.weight.fill_(2.0)
+        own.stats.running_mean.fill_(5.0)
+    init_parameters(own, None, seed=4, recurse=False)
+    torch.testing.assert_close(own.proj.detach(), init_value(4, "proj", (4, 3), 0.02), rtol=0, atol=0)
+    assert torch.equal(own.stats.weight, torch.full((3,), 2.0)) and torch.equal(own.stats.running_mean, torch.full((3,), 5.0))
+    init_parameters(own, None, seed=4)
+    assert torch.equal(own.stats.weight, torch.ones(3)) and torch.equal(own.stats.running_mean, torch.zeros(3))
+
+
+def test_random_hash_table_gives_every_id_k_distinct_experts_past_a_4096_draw():
+    """random_hash_table draws 4096 ids at a time: 4100 ids give 4100 rows, each k distinct experts of 0..E-1, a function of
+    the generator; no ids, no rows."""
+    table = random_hash_table(4100, 3, 5, torch.Generator().manual_seed(0))
+    assert table.shape == (4100, 3) and table.dtype == torch.int64
+    assert ((table >= 0) & (table < 5)).all() and all(len(set(row)) == 3 for row in table.tolist())
+    assert torch.equal(table, random_hash_table(4100, 3, 5, torch.Generator().manual_seed(0)))
+    assert random_hash_table(0, 2, 4).shape == (0, 2)
 
 
 class _OwnModel(Transformer):
@@ -1512,6 +1585,9 @@ def test_mixture_of_attention_heads_weighs_its_balance_loss_and_checks_its_knobs
         _loss(model, batch, model.context(batch)).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         assert len(model.moa_attentions()) == 4 and float(model.moa_aux_loss_sum()) > 3.0  # about 1 each
+    with torch.no_grad():  # a forward without gradients computes no balance loss: none kept from the last
+        model(batch, model.context(batch))
+    assert model.moa_aux_loss_sum() is None
     for name, g0 in grads[0].items():
         torch.testing.assert_close(grads[2][name] - g0, 2 * (grads[1][name] - g0), rtol=1e-3, atol=1e-6, msg=name)
     assert float((grads[1]["blocks.0.attn.moa_router"] - grads[0]["blocks.0.attn.moa_router"]).abs().max()) > 0
@@ -2920,6 +2996,11 @@ def test_granite_multipliers_in_the_logits_the_loss_and_decode():
         stepped = torch.cat([every.decode(ids[:5], cache), *(every.decode(ids[t:t + 1], cache) for t in range(5, 9))])
         whole = every.logits(ids, torch.tensor([0, 9]))
     torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
+    block, x = every.blocks[1], torch.randn(24, cfg.hidden)  # each branch's output times residual_scale
+    ctx = every.context(batch).attention[0]
+    with torch.no_grad():
+        mid = x + 0.6 * block._attend(x, ctx)
+        torch.testing.assert_close(block(x, ctx)[0], mid + 0.6 * block._mlp_out(block.mlp_norm(mid))[0])
 
 
 def test_a_shortcut_pair_adds_its_moe_output_after_the_second_block():

@@ -61,6 +61,22 @@ def _check(rank, world):
             out[f"{name}.buffers"] = all(torch.equal(b, ref.get_buffer(n)) for n, b in model.named_buffers())
             # the materialised model runs (FSDP2 gathers what it allocated): same forward
             out[f"{name}.lm_err"] = abs(float(model(batch)[0]["lm_sum"]) - ref_lm) / abs(ref_lm)
+    # copy_full_value: a DTensor gets its own block of the full value; a local tensor that is not its layout's block is named
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fmoe.model import copy_full_value, local_block
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24.0).reshape(8, 3)
+    rows = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)])
+    copy_full_value(rows, full)
+    out["block"] = local_block(rows), rows.to_local().tolist()
+    odd = DTensor.from_local(torch.zeros(3, 3), mesh, [Shard(0)], run_check=False, shape=torch.Size([8, 3]), stride=(3, 1))
+    try:
+        copy_full_value(odd, full)
+    except ValueError as e:
+        out["odd"] = str(e)
     # memory: shards only (+ one full parameter at a time while initialising)
     big = TransformerConfig(**BIG)
     with torch.device("meta"):
@@ -86,6 +102,9 @@ def test_meta_init_is_bit_identical_on_every_mesh_and_never_holds_the_model():
             assert out[f"{name}.unequal"] == [], (rank, name, out[f"{name}.unequal"])
             assert out[f"{name}.buffers"], (rank, name)
             assert out[f"{name}.lm_err"] < 1e-5, (rank, name, out[f"{name}.lm_err"])
+        block = (slice(2 * rank, 2 * rank + 2), slice(0, 3))
+        assert out["block"] == (block, torch.arange(24.0).reshape(8, 3)[block].tolist())
+        assert out["odd"] == f"param: a DTensor whose local shape (3, 3) is not its layout's block {block}"
         model, largest = out["model_bytes"], out["largest_bytes"]
         assert out["unsharded.peak"] >= model
         for name in ("fsdp4", "ep4"):
