@@ -56,6 +56,8 @@ def _loop_attention(x, p, cfg, cu):
     q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, -1)
     if cfg.clip_qkv is not None:  # each projection clamped to [-c, c] (DBRX)
         q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    if cfg.v_norm:  # each value head over its channels, no weight (Gemma 4's)
+        v = v / (v.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
     v = v * cfg.v_scale
     if cfg.rope:
         q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
@@ -82,7 +84,10 @@ def _loop_attention(x, p, cfg, cu):
                     weights = torch.exp(scores) / (torch.exp(scores).sum() + torch.exp(p["sinks"][h]))
                 else:
                     weights = torch.softmax(scores, dim=0)
-                heads.append(weights @ v[first:t + 1, g])
+                head = weights @ v[first:t + 1, g]
+                if cfg.out_norm:  # each head's output over its channels, no weight (Muse Spark's)
+                    head = head / (head.square().mean() + cfg.norm_eps).sqrt()
+                heads.append(head)
             rows.append(torch.cat(heads))
     out = torch.stack(rows)
     if "wg" in p:  # gated attention: each output channel times the sigmoid of its gate
@@ -104,10 +109,11 @@ def _rel(a, b):
                                  dataclasses.replace(CFG, window=4, local_rope_base=100.0),
                                  dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4),
                                  dataclasses.replace(YARN, window=4, local_rope_base=100.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0),
-                                 dataclasses.replace(CFG, v_dim=12, v_scale=0.7, window=4), dataclasses.replace(CFG, clip_qkv=0.5)],
+                                 dataclasses.replace(CFG, v_dim=12, v_scale=0.7, window=4), dataclasses.replace(CFG, clip_qkv=0.5),
+                                 dataclasses.replace(CFG, v_norm=True, v_scale=0.7), dataclasses.replace(CFG, out_norm=True, window=4)],
                          ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature",
                               "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3", "window-local-base-yarn",
-                              "value-dim-scale", "clip-qkv"])
+                              "value-dim-scale", "clip-qkv", "value-norm-scale", "output-norm"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -128,6 +134,10 @@ def test_llama4_pieces_change_the_output_and_have_their_numbers():
     torch.testing.assert_close(query_temperature(torch.arange(6), dataclasses.replace(floor2, temperature_offset=0)), torch.tensor(want))
     mistral4 = dataclasses.replace(llama4, temperature_offset=0)  # original_max_position_embeddings 8192, llama_4_scaling_beta 0.1
     assert query_temperature(torch.tensor([8191, 8192, 16384]), mistral4).tolist() == pytest.approx([1.0, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)])
+    # "power" (Beam's): (1 + (p + offset) / f) ** s, above 1 from position 0 on
+    power = dataclasses.replace(floor2, temperature_kind="power")
+    torch.testing.assert_close(query_temperature(torch.arange(4), power), torch.tensor([1.5, 2.0, 2.5, 3.0]) ** 0.5)
+    torch.testing.assert_close(query_temperature(torch.arange(4), dataclasses.replace(power, temperature_offset=0)), torch.tensor([1.0, 1.5, 2.0, 2.5]) ** 0.5)
     cu = torch.tensor([0, 9, 17], dtype=torch.int32)
     x, p = torch.randn(17, H), {n: t.detach() for n, t in _params(CFG).items()}
 
@@ -257,6 +267,70 @@ def test_gated_attention_matches_per_token_loop(impl):
         assert _rel(attention(x, p, cfg, _ctx(cu, cfg))[0], attention(x, plain, cfg, _ctx(cu, cfg))[0]) > 1e-1
     with pytest.raises(ValueError, match=r"params\['wg'\]: expected torch.float32 \[32, 64\] tensor or none, got torch.float32 \[32, 32\]"):
         attention(x, dict(p, wg=torch.zeros(H, H)), cfg, _ctx(cu, cfg))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("act", ["sigmoid", "softplus"])
+def test_the_gate_bias_shifts_each_head_s_pre_activations(act, per_head):
+    """bg [N] (Beam's gate_bias): head n's bias added to each of its channels' gate pre-activations (or its one
+    gate's); with wg zero each head's output is times gate_act(bg[n]): the ungated layer with head n's rows of wo so
+    scaled. A bias without its weight wg is refused."""
+    cfg = dataclasses.replace(CFG, gate_act=act, gate_per_head=per_head)
+    p, x, cu = {n: t.detach() for n, t in _params(CFG).items()}, torch.randn(6, H), torch.tensor([0, 6])
+    bg = torch.tensor([-1.0, 0.5, 2.0, 0.0])
+    gate = torch.sigmoid(bg) if act == "sigmoid" else torch.nn.functional.softplus(bg)
+    y = attention(x, dict(p, wg=torch.zeros(H, 4 if per_head else 64), bg=bg), cfg, _ctx(cu, cfg))[0]
+    scaled = (p["wo"].view(4, 16, H) * gate[:, None, None]).view(64, H)
+    torch.testing.assert_close(y, attention(x, dict(p, wo=scaled), CFG, _ctx(cu, CFG))[0])
+    with pytest.raises(ValueError, match=re.escape("params['bg']: the output gate's bias per head, needs its weight wg")):
+        attention(x, dict(p, bg=bg), cfg, _ctx(cu, cfg))
+
+
+@pytest.mark.parametrize("knobs", [dict(k_eq_v=True), dict(k_eq_v=True, qk_norm="head"), dict(kv_shared=True, rope=False)], ids=str)
+def test_values_of_the_keys_projection_are_the_plain_layer_with_wv_the_keys(knobs):
+    """k_eq_v: the values are the keys' projection as it comes (its bias bk added; before the keys' norm and RoPE);
+    kv_shared without RoPE: the keys themselves, with no rotation to turn back. Both the plain layer with wv = wk and
+    bv = bk."""
+    cfg = dataclasses.replace(CFG, **knobs)
+    g = torch.Generator().manual_seed(6)
+    p = {n: t.detach() for n, t in _params(CFG).items()}
+    p.update(bk=torch.randn(32, generator=g), bq=torch.randn(64, generator=g))
+    if cfg.qk_norm == "head":
+        p.update(q_norm=torch.rand(16, generator=g) + 0.5, k_norm=torch.rand(16, generator=g) + 0.5)
+    x, cu = torch.randn(11, H), torch.tensor([0, 4, 11])
+    plain = dataclasses.replace(cfg, k_eq_v=False, kv_shared=False)
+    want = attention(x, dict(p, wv=p["wk"], bv=p["bk"]), plain, _ctx(cu, plain))[0]
+    got = attention(x, {n: t for n, t in p.items() if n != "wv"}, cfg, _ctx(cu, cfg))[0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["head", "proj"])
+def test_zero_centered_qk_norms_take_a_gain_of_one_plus_the_weight(kind):
+    """zero_centered_norms: the q/k RMSNorms' gain is 1 + weight, per head ("head") or over the whole projection
+    ("proj"); the weights as given otherwise."""
+    from fmoe.layers import qk_norm_shapes
+
+    cfg = dataclasses.replace(CFG, qk_norm=kind)
+    p, x, cu = {n: t.detach() for n, t in _params(CFG).items()}, torch.randn(6, H), torch.tensor([0, 6])
+    g = torch.Generator().manual_seed(8)
+    weights = {n: 0.5 * torch.randn(s, generator=g) for n, s in qk_norm_shapes(cfg).items()}
+    got = attention(x, dict(p, **weights), dataclasses.replace(cfg, zero_centered_norms=True), _ctx(cu, cfg))[0]
+    want = attention(x, dict(p, **{n: 1 + w for n, w in weights.items()}), cfg, _ctx(cu, cfg))[0]
+    torch.testing.assert_close(got, want)
+    assert _rel(got, attention(x, dict(p, **weights), cfg, _ctx(cu, cfg))[0]) > 1e-2
+
+
+def test_alibi_and_sinks_in_blocks_of_one_query_are_the_definition(monkeypatch):
+    """The reference with sinks and ALiBi's biases over blocks of queries, at least one a block however few scores
+    fmoe.layers._SCORE_ROWS allows: each block's biases from its own queries' positions, the output and gradients
+    the per-token definition's."""
+    import fmoe.layers as L
+
+    monkeypatch.setattr(L, "_SCORE_ROWS", 1)
+    cfg = dataclasses.replace(CFG, rope=False)
+    p = _params(cfg)
+    p.update(alibi=alibi_slopes(4) * 4, sinks=torch.randn(4, generator=torch.Generator().manual_seed(4)).requires_grad_())
+    _check_against_definition(cfg, "torch", p, _loop_attention)
 
 
 def test_clip_qkv_clamps_q_k_and_v_and_is_checked():
@@ -408,6 +482,8 @@ def test_attention_bad_inputs():
         attention(x, dict(p, wk=torch.randn(H, 16)), CFG, ctx)
     with pytest.raises(ValueError, match=r"ctx: RoPE tables of shape \(5, 8\) do not fit x's 6 tokens"):
         attention(x, p, CFG, _ctx(torch.tensor([0, 5]), CFG))
+    with pytest.raises(ValueError, match=r"ctx: RoPE tables of shape \(6, 8\) do not fit x's 6 tokens and rot_dim 8 \(expected \(6, 4\)\)"):
+        attention(x, p, dataclasses.replace(CFG, rot_dim=8), ctx)
     with pytest.raises(ValueError, match="ctx: expected the AttentionContext"):
         attention(x, p, CFG, (ctx.cos, ctx.sin, ctx.mask))
     with pytest.raises(ValueError, match="x: expected a 2-D"):
@@ -454,6 +530,8 @@ def test_attention_bad_inputs():
     flex = dataclasses.replace(CFG, impl="flex")
     with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):
         attention(x, p, flex, _ctx(cu, flex))
+    with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):  # x's gradient alone, the weights frozen
+        attention(x.clone().requires_grad_(), {n: w.detach() for n, w in p.items()}, flex, _ctx(cu, flex))
     # the context checks shapes (its values were checked where the batch was made)
     with pytest.raises(ValueError, match=r"^rot_dim: expected an even number <= head_dim = 16, got 18"):
         dataclasses.replace(CFG, rot_dim=18)
@@ -979,6 +1057,9 @@ def test_context_parallel_bad_inputs():
     ctx = attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index, gather_kv=keep)
     with pytest.raises(ValueError, match="ctx.gather_kv: returned 8 keys and 8 values, the mask has 16 keys"):
         attention(torch.randn(8, H), _params(CFG), CFG, ctx)
+    ctx = attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index, gather_kv=lambda k, v: (torch.cat([k, k]), v))
+    with pytest.raises(ValueError, match="ctx.gather_kv: returned 16 keys and 8 values, the mask has 16 keys"):
+        attention(torch.randn(8, H), _params(CFG), CFG, ctx)
 
 
 @pytest.mark.gpu
@@ -1016,9 +1097,11 @@ MLA = AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=12, rot_dim=4, interleav
 
 
 def _mla_params(cfg, dtype=torch.float32, device="cpu"):
-    from fmoe.layers import mla_shapes
+    from fmoe.layers import mla_shapes, q_in
 
     mats, norms = mla_shapes(H, cfg)
+    if cfg.gate_on_q:  # the output gate, reading wq_b's input
+        mats["wg"] = (q_in(cfg), cfg.n_heads * cfg.v_dim)
     p = {n: (torch.randn(*s, device=device) * s[0] ** -0.5).to(dtype) for n, s in mats.items()}
     p.update({n: 1 + 0.3 * torch.randn(*s, device=device) for n, s in norms.items()})
     return {n: t.requires_grad_() for n, t in p.items()}
@@ -1031,15 +1114,21 @@ def _mla_loop_parts(x, p, cfg, cu):
     T, N, D, R, Dv = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.v_dim
 
     def rms(t, w):
-        return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6) * w
+        return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + cfg.latent_norm_eps) * w
 
     q_lat = rms(x @ p["wq_a"], p["q_a_norm"]) if cfg.q_rank else None
+    if cfg.q_latent_raw:  # wq_b reads the q latent normed, then as it is
+        q_lat = torch.cat([q_lat, x @ p["wq_a"]], dim=-1)
     q = (q_lat @ p["wq_b"]).view(T, N, D) if cfg.q_rank else (x @ p["wq"]).view(T, N, D)
+    q_scale, kv_scale = cfg.latent_scales or (1.0, 1.0)  # LongCat-Flash's: the queries', the normed kv latent's
+    q = q * q_scale
     kv_a = x @ p["wkv_a"]
-    kv = (rms(kv_a[:, :cfg.kv_rank], p["kv_a_norm"]) @ p["wkv_b"]).view(T, N, D - R + Dv)
+    kv = (rms(kv_a[:, :cfg.kv_rank], p["kv_a_norm"]) * kv_scale @ p["wkv_b"]).view(T, N, D - R + Dv)
     cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
-    q_rope = apply_rope(q[..., D - R:], cos, sin, interleaved=cfg.interleaved, impl="torch")
-    k_rope = apply_rope(kv_a[:, None, cfg.kv_rank:], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
+    q_rope, k_rope = q[..., D - R:], kv_a[:, cfg.kv_rank:]
+    if cfg.rope:
+        q_rope = apply_rope(q_rope, cos, sin, interleaved=cfg.interleaved, impl="torch")
+        k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
     if cfg.temperature_floor is not None:  # Mistral 4's query scale, on every channel after RoPE
         temp = _temperatures(positions_from_cu_seqlens(cu), cfg)[:, None, None]
         q, q_rope = q * temp, q_rope * temp
@@ -1051,7 +1140,7 @@ def _loop_mla(x, p, cfg, cu):
     """DeepSeek-V3's attention written out per token and head: latents, norms, the rotary
     key shared by all heads, a softmax over q.k (nope + rope) scaled by YaRN's mscale_all_dim."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
-    _, q, kv, q_rope, k_rope, scale, _ = _mla_loop_parts(x, p, cfg, cu)
+    q_lat, q, kv, q_rope, k_rope, scale, _ = _mla_loop_parts(x, p, cfg, cu)
     rows = []
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -1061,15 +1150,20 @@ def _loop_mla(x, p, cfg, cu):
                 score = kv[a:t + 1, h, :D - R] @ q[t, h, :D - R] + k_rope[a:t + 1] @ q_rope[t, h]
                 heads.append(torch.softmax(score * scale, dim=0) @ kv[a:t + 1, h, D - R:])
             rows.append(torch.cat(heads))
-    return torch.stack(rows) @ p["wo"]
+    out = torch.stack(rows)
+    if "wg" in p:  # the output gate, of wq_b's input with gate_on_q
+        out = out * torch.sigmoid((q_lat if cfg.gate_on_q else x) @ p["wg"])
+    return out @ p["wo"]
 
 
 MLA_TEMPERATURE = dataclasses.replace(MLA, temperature_floor=2, temperature_scale=0.5, temperature_offset=0)  # Mistral 4's
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
-@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None), MLA_TEMPERATURE],
-                         ids=["q-latent-yarn", "full-q-rope", "query-temperature"])
+@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None), MLA_TEMPERATURE,
+                                 dataclasses.replace(MLA, q_latent_raw=True, gate_on_q=True, latent_scales=(0.5, 2.0), latent_norm_eps=1e-2),
+                                 dataclasses.replace(MLA, rope=False)],
+                         ids=["q-latent-yarn", "full-q-rope", "query-temperature", "raw-q-latent-gate-scales-eps", "nope"])
 def test_multi_latent_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _mla_params(cfg), _loop_mla)  # flex: v_dim 5 != q/k dim 12
 
@@ -1152,6 +1246,10 @@ def test_multi_latent_attention_bad_inputs():
         attention(x, {**p, "wkv_b": p["wkv_b"][:, :5]}, MLA, _ctx(cu, MLA))
     with pytest.raises(ValueError, match=r"params\['q_a_norm'\]: expected a \[10\] norm weight, got nothing"):
         attention(x, {n: t for n, t in p.items() if n != "q_a_norm"}, MLA, _ctx(cu, MLA))
+    with pytest.raises(ValueError, match=r"params\['kv_a_norm'\]: expected a \[6\] norm weight, got \[5\]"):
+        attention(x, {**p, "kv_a_norm": p["kv_a_norm"][:5]}, MLA, _ctx(cu, MLA))
+    with pytest.raises(ValueError, match=r"ctx: RoPE tables of shape \(5, 2\) do not fit x's 6 tokens and rot_dim 4 \(expected \(6, 2\)\)"):
+        attention(x, p, MLA, _ctx(torch.tensor([0, 5]), MLA))
     with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['wk'\]"):
         attention(x, {**p, "wk": p["wo"]}, MLA, _ctx(cu, MLA))
     gqa = {n: t.detach() for n, t in _params(CFG).items()}
@@ -1950,7 +2048,7 @@ def test_block_sparse_attention_under_context_parallel_counts_blocks_per_documen
 def test_block_sparse_attention_bad_knobs_and_inputs():
     """Each misuse names its field: knobs without index_topk_blocks, an indexer head count
     other than the kv heads', more always-kept blocks than chosen ones, what block-sparse
-    attention does not combine with; missing or misshapen indexer weights, sinks."""
+    attention does not combine with; missing or misshapen indexer weights, sinks, ALiBi's slopes."""
     cases = [(dict(CFG.__dict__, index_block_size=64), r"index_block_size: a knob of block-sparse attention, needs index_topk_blocks"),
              (dict(BLOCKS.__dict__, index_heads=4), r"index_heads: block-sparse attention's indexer has one head per kv head, expected n_kv_heads = 2"),
              (dict(BLOCKS.__dict__, index_local_blocks=3), r"index_local_blocks: expected an int in \[0, index_topk_blocks = 2\]"),
@@ -1973,6 +2071,8 @@ def test_block_sparse_attention_bad_knobs_and_inputs():
         attention(x, {"index_wq": p["index_wq"], **_params(CFG)}, CFG, _ctx(cu, CFG))
     with pytest.raises(ValueError, match=r"params\['sinks'\]: not with block-sparse attention"):
         attention(x, dict(p, sinks=torch.zeros(4)), BLOCKS, _ctx(cu, BLOCKS))
+    with pytest.raises(ValueError, match=r"params\['alibi'\]: not with block-sparse attention"):
+        attention(x, dict(p, alibi=torch.ones(4)), BLOCKS, _ctx(cu, BLOCKS))
     with pytest.raises(ValueError, match=r"ctx: block-sparse attention \(cfg.index_topk_blocks\) needs the dense mask"):
         attention(x, p, BLOCKS, _ctx(cu, dataclasses.replace(CFG, rot_dim=8, impl="flex")))
 
@@ -2201,6 +2301,14 @@ def test_mixture_of_attention_heads_under_context_parallel(cp):
     """Each rank's rows are the whole batch's: the routing is per token, the keys and
     values shared by every expert."""
     _check_cp_rows(MOA, {n: t.detach() for n, t in _moa_params(MOA).items()}, cp)
+    # the router's balance loss: this rank's share, over every rank's counts and tokens (cp ranks of the same tokens: 1 / cp of one process's)
+    from types import SimpleNamespace
+
+    ranks = SimpleNamespace(cp=cp, sum_counts=lambda counts: counts * cp)
+    p, cu, x = _moa_params(MOA), torch.tensor([0, 5, 11]), torch.randn(11, H)
+    whole = attention(x, p, MOA, _ctx(cu, MOA))[1]["moa_aux_loss"]
+    share = attention(x, p, MOA, dataclasses.replace(_ctx(cu, MOA), linear_cp=ranks))[1]["moa_aux_loss"]
+    torch.testing.assert_close(share * cp, whole)
 
 
 def test_mixture_of_attention_heads_bad_inputs():
@@ -2223,6 +2331,8 @@ def test_mixture_of_attention_heads_bad_inputs():
         attention(x, {n: t for n, t in p.items() if n != "moa_router"}, MOA, ctx)
     with pytest.raises(ValueError, match=re.escape("params['bq']: not with a mixture of attention heads")):
         attention(x, dict(p, bq=torch.zeros(64)), MOA, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['wg']: not with a mixture of attention heads")):
+        attention(x, dict(p, wg=torch.zeros(H, 64)), MOA, ctx)
     with pytest.raises(ValueError, match=re.escape("params: unknown attention parameters ['moa_router']")):
         attention(x, dict(_params(CFG), moa_router=p["moa_router"]), CFG, ctx)
 
