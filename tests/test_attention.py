@@ -1440,6 +1440,59 @@ def test_the_choice_is_made_for_blocks_of_queries_alike():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_index_scores_of_slots_are_the_whole_scores_of_those_keys_and_0_in_an_empty_slot():
+    """index_scores with slots=: each query's scores of the keys its slots name, those of the
+    [T, S] product, and 0 where a slot is empty (-1: the first queries see fewer than
+    index_topk keys)."""
+    from fmoe.layers import _index_choice, _mla_q_latent, index_keys, index_scores
+
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    p = {n: t.detach() for n, t in _dsa_params(DSA).items()}
+    x = torch.randn(17, H)
+    ctx = _ctx(cu, DSA)
+    keys, q_lat = index_keys(x, p, DSA, ctx.cos, ctx.sin), _mla_q_latent(x, p, DSA)
+    slots = _index_choice(x, q_lat, keys, p, DSA, ctx, ctx.mask)
+    assert slots[0].tolist() == [0, -1, -1] and int((slots < 0).sum()) == 2 + 1 + 2 + 2 + 1
+    whole = index_scores(x, q_lat, keys, p, DSA, ctx.cos, ctx.sin)
+    got = index_scores(x, q_lat, keys, p, DSA, ctx.cos, ctx.sin, slots=slots)
+    torch.testing.assert_close(got, torch.where(slots >= 0, whole.gather(1, slots.clamp(min=0)), 0.0), rtol=1e-5, atol=1e-6)
+    assert bool((got[slots < 0] == 0).all()) and float(got[slots >= 0].abs().min()) > 0
+
+
+def test_the_indexer_loss_worked_by_hand():
+    """index_loss of two queries: the first keeps keys 0 and 1 of targets 0 and 3 (p = [0, 1]:
+    the kept key of target 0 adds 0, not NaN), the second keeps none (it adds 0); the sum over
+    the queries divided by T, or by n_queries; the gradient softmax - p over the kept keys."""
+    from fmoe.layers import index_loss
+
+    scores = torch.tensor([[1.0, 2.0, 0.0], [4.0, 5.0, 6.0]], requires_grad=True)
+    target = torch.tensor([[0.0, 3.0, 1.0], [1.0, 1.0, 1.0]])
+    keep = torch.tensor([[True, True, False], [False, False, False]])
+    kl = math.log(1 + math.exp(-1))  # -log softmax([1, 2])[1]
+    loss = index_loss(scores, target, keep)
+    assert float(loss.detach()) == pytest.approx(kl / 2, rel=1e-6)
+    assert float(index_loss(scores, target, keep, n_queries=4).detach()) == pytest.approx(kl / 4, rel=1e-6)
+    grad, = torch.autograd.grad(loss, scores)
+    low = 1 / (1 + math.e)
+    torch.testing.assert_close(grad, torch.tensor([[low, -low, 0.0], [0.0, 0.0, 0.0]]) / 2)
+
+
+def test_attach_loss_passes_x_through_and_gives_the_loss_the_gradient_1():
+    """attach_loss(x, loss): x's values in a tensor of its own (not a view of x), x's gradient
+    passed through, the loss's gradient 1 as if added to the final loss; a loss other than a
+    0-D tensor refused."""
+    from fmoe.layers import attach_loss
+
+    x, w = torch.randn(3, 4, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+    y = attach_loss(x * 1.0, (w * 3.0).square())
+    assert torch.equal(y, x) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    (y * torch.arange(12.0).view(3, 4)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(12.0).view(3, 4)) and float(w.grad) == 2 * 9 * 2.0
+    for bad, shape in ((torch.ones(1), "torch.Size([1])"), (torch.ones(2, 1), "torch.Size([2, 1])"), (0.5, "None")):
+        with pytest.raises(ValueError, match=re.escape(f"loss: expected a 0-D tensor, got {type(bad).__name__} of shape {shape}")):
+            attach_loss(x, bad)
+
+
 def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
     """index_loss: stats["index_loss"] is the per-query definition's KL, its gradient reaches
     the indexer's weights alone (as the definition's), and the output and its gradients are
@@ -1741,6 +1794,8 @@ def test_deepseek_sparse_attention_bad_inputs():
         index_loss(torch.zeros(6, 3), torch.ones(6, 3), torch.ones(6, 3, dtype=torch.bool), n_queries=0)
     with pytest.raises(ValueError, match=r"keep: expected bool \[T, J\] like scores \[6, 3\]"):
         index_loss(torch.zeros(6, 3), torch.ones(6, 3), torch.ones(6, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"keep: expected bool \[T, J\] like scores \[6, 3\] and target \[6, 3\], got torch.float32 \[6, 3\]"):
+        index_loss(torch.zeros(6, 3), torch.ones(6, 3), torch.ones(6, 3))
     flex = dataclasses.replace(MLA, impl="flex")  # a context built for another layer: FlexAttention's block mask
     with pytest.raises(ValueError, match="ctx: DeepSeek sparse attention .* needs the dense mask"):
         attention(x, p, DSA, _ctx(cu, flex))
@@ -1903,7 +1958,7 @@ def _without_blocks(cfg):
 
 def _loop_indexer(x, p, cfg, cu):
     """The indexer's queries [T, G, Di] and keys [T, Di] written out (RMS norms of gain w, or
-    1 + w with zero_centered_norms; RoPE as the heads'), and the RoPE tables (cos, sin)."""
+    1 + w with zero_centered_norms; RoPE as the heads', on interleaved pairs with interleaved), and the RoPE tables (cos, sin)."""
     T, G, Di = x.shape[0], cfg.n_kv_heads, cfg.index_head_dim
     cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
     zc = 1.0 if cfg.zero_centered_norms else 0.0
@@ -1911,8 +1966,8 @@ def _loop_indexer(x, p, cfg, cu):
     def rms(t, w):
         return t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * (w + zc)
 
-    iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, impl="torch")
-    ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, impl="torch")[:, 0]
+    iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, interleaved=cfg.interleaved, impl="torch")
+    ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
     return iq, ik, cos, sin
 
 
@@ -1939,7 +1994,7 @@ def _loop_block_attention(x, p, cfg, cu):
     T, (N, G, D), bs = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), cfg.index_block_size
     with torch.no_grad():
         iq, ik, cos, sin = _loop_indexer(x, p, cfg, cu)
-    q, k, v = (apply_rope((x @ p[w]).view(T, n, D), cos, sin, impl="torch") if w != "wv" else (x @ p[w]).view(T, n, D)
+    q, k, v = (apply_rope((x @ p[w]).view(T, n, D), cos, sin, interleaved=cfg.interleaved, impl="torch") if w != "wv" else (x @ p[w]).view(T, n, D)
                for w, n in (("wq", N), ("wk", G), ("wv", G)))
     rows = []
     bounds = cu.tolist()
@@ -1958,8 +2013,8 @@ def _loop_block_attention(x, p, cfg, cu):
 
 
 @pytest.mark.parametrize("knobs", [{}, dict(index_local_blocks=0), dict(index_topk_blocks=3, index_block_size=2, index_local_blocks=2),
-                                   dict(index_topk_blocks=1, index_block_size=4), dict(zero_centered_norms=True)],
-                         ids=["m3", "no-local", "three-of-pairs", "one-block", "zero-centred"])
+                                   dict(index_topk_blocks=1, index_block_size=4), dict(zero_centered_norms=True), dict(interleaved=True)],
+                         ids=["m3", "no-local", "three-of-pairs", "one-block", "zero-centred", "interleaved"])
 def test_block_sparse_attention_matches_per_token_loop(knobs):
     """MiniMax-M3's block-sparse attention: the output and every trained gradient match the
     query-by-query definition (3 documents, the longest of 11 tokens: several blocks, a few
@@ -2193,6 +2248,34 @@ def test_block_sparse_indexer_loss_matches_its_definition_and_trains_the_indexer
         assert "index_loss" not in attention(x, p, cfg, _ctx(cu, cfg))[1].keys()
     frozen = {n: t.detach() if n in index else t for n, t in p.items()}  # nothing of the indexer to train: no loss either
     assert "index_loss" not in attention(x, frozen, cfg, _ctx(cu, cfg))[1].keys()
+
+
+def test_block_index_keep_slots_and_target_of_chosen_blocks_worked_by_hand():
+    """One query at place 4 of its document (keys at places 0-4: blocks of 2, [0, 0, 1, 1, 2]), kv head 0 choosing blocks
+    2 then 0, kv head 1 block 1 and an empty slot (-1): the keys each kv head's queries see (an empty slot names no
+    block), the sparse kernel's columns (-1 past the query and in an empty slot), and the attention's mass on each chosen
+    block summed over the kv head's two query heads (0 and 1 for kv head 0, 2 and 3 for 1; 0 in an empty slot)."""
+    from fmoe.layers import block_index_keep, block_index_slots, block_index_target
+
+    cfg = dataclasses.replace(BLOCKS, index_block_size=2)
+    chosen, kv_pos = torch.tensor([[[2, 0]], [[1, -1]]]), torch.arange(5)
+    keep = block_index_keep(chosen, kv_pos, torch.ones(1, 5, dtype=torch.bool), cfg)
+    assert keep.tolist() == [[[True, True, False, False, True]], [[False, False, True, True, False]]]
+    assert block_index_slots(chosen, torch.tensor([4]), torch.tensor([0]), None, cfg).tolist() == [[[4, -1, 0, 1]], [[2, 3, -1, -1]]]
+    probs = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]) * torch.tensor([1.0, 10.0, 100.0, 1000.0])[:, None, None]  # [4 heads, 1, 5]
+    assert block_index_target(probs, chosen, kv_pos, cfg).tolist() == [[[55.0, 33.0]], [[7700.0, 0.0]]]
+
+
+def test_the_indexer_s_keys_spread_over_the_kv_heads_pad_after_their_channels():
+    """_spread_keys: the indexer's keys [T, Di] as [T, G, ceil(Di / G)] to ride beside the G kv heads' keys (context
+    parallel, the cache): read back in order, their Di channels first, zeros after them (Di = 9 over 2 heads: 5 + 5)."""
+    from fmoe.layers import _spread_keys
+
+    keys = torch.arange(1.0, 19.0).view(2, 9)
+    spread = _spread_keys(keys, 2)
+    assert spread.shape == (2, 2, 5)
+    assert torch.equal(spread.flatten(1)[:, :9], keys) and not spread.flatten(1)[:, 9:].any()
+    assert torch.equal(_spread_keys(keys[:, :8], 2), keys[:, :8].view(2, 2, 4))
 
 
 # ---------------------------------------------------------------- mixture of attention heads
@@ -2831,6 +2914,31 @@ def test_compressed_sparse_entries_overlap_the_previous_run():
     assert seen == {0: [], 1: [], 2: [0], 3: [0], 4: [0], 5: [0, 1], 6: [0, 1], 7: [], 8: [], 9: [2], 10: [2], 11: [2], 12: [2, 3]}
 
 
+def test_compressed_sparse_entries_rotate_as_their_keys_and_the_indexer_s_as_its_queries():
+    """Each entry rotated at its run's first position (0 and 3 in both documents of 7 and 6
+    tokens): the compressor's as the keys are (the first rot_dim channels, in halves here),
+    the indexer's (prefix "index_compress_") as the indexer's queries (index_rope_last: its
+    last rot_dim channels, index_interleaved: on pairs), whatever the keys do."""
+    from fmoe.layers import compressed_entries
+
+    cfg = AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=8, rot_dim=4, kv_shared=True, compress_rate=3, compress_topk=2, q_rank=6,
+                          index_heads=2, index_head_dim=8, index_rope_last=True, index_interleaved=True, impl="torch")
+    torch.manual_seed(0)
+    p = {}
+    for prefix in ("compress_", "index_compress_"):
+        p.update({prefix + "wkv": torch.randn(H, 16), prefix + "wg": torch.randn(H, 16), prefix + "bias": torch.randn(3, 16),
+                  prefix + "norm": torch.rand(8) + 0.5})
+    x, cu = torch.randn(13, H), torch.tensor([0, 7, 13])
+    ctx, plain = _ctx(cu, cfg), dataclasses.replace(cfg, rope=False)
+    cos, sin = ctx.cos[[0, 3, 7, 10]], ctx.sin[[0, 3, 7, 10]]
+    keys, indexer = compressed_entries(x, p, cfg, ctx)[0], compressed_entries(x, p, cfg, ctx, prefix="index_compress_")[0]
+    raw_keys, raw_indexer = compressed_entries(x, p, plain, _ctx(cu, plain))[0], compressed_entries(x, p, plain, _ctx(cu, plain), prefix="index_compress_")[0]
+    torch.testing.assert_close(keys, torch.cat([apply_rope(raw_keys[:, None, :4], cos, sin, impl="torch")[:, 0], raw_keys[:, 4:]], -1))
+    torch.testing.assert_close(indexer, torch.cat([raw_indexer[:, :4], apply_rope(raw_indexer[:, None, 4:].contiguous(), cos, sin, interleaved=True,
+                                                                                      impl="torch")[:, 0]], -1))
+    assert float((keys[[1, 3]] - raw_keys[[1, 3]]).abs().max()) > 1e-2 and torch.equal(indexer[:, :4], raw_indexer[:, :4])
+
+
 def test_compressed_sparse_attention_bad_knobs_and_contexts():
     """compress_topk's knobs by name (it needs compress_rate and the q latent, its indexer has no key norm and rotates as
     the keys do); its parameters' shapes; a context over gathered keys without the entries' cache (context parallel) is
@@ -2887,7 +2995,7 @@ def test_compressed_attention_over_a_context_split_is_the_whole_layer(kind):
 def test_compressed_entries_are_the_documents_complete_runs():
     """fmoe.layers.compressed_entries written out: the runs of 3 tokens of documents of 7, 2 and 6 tokens (runs 0-2, 3-5;
     none; 9-11, 12-14), the tail tokens in none; 5 slots (T // 3), the last unused; each query sees its own document's runs
-    that end at or before it."""
+    that end at or before it. The entries are in x's dtype (bf16 tokens: bf16 entries)."""
     from fmoe.layers import compressed_entries
 
     cfg = AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=8, kv_shared=True, compress_rate=3, impl="torch", rope=False)
@@ -2903,6 +3011,10 @@ def test_compressed_entries_are_the_documents_complete_runs():
         torch.testing.assert_close(entries[s], e * torch.rsqrt(e.square().mean() + cfg.norm_eps) * p["compress_norm"], rtol=1e-5, atol=1e-6)
     seen = {t: [s for s in range(5) if keep[t, s]] for t in range(15)}
     assert seen == {0: [], 1: [], 2: [0], 3: [0], 4: [0], 5: [0, 1], 6: [0, 1], 7: [], 8: [], 9: [], 10: [], 11: [2], 12: [2], 13: [2], 14: [2, 3]}
+    low = {n: t if n == "compress_bias" else t.bfloat16() for n, t in p.items()}  # bf16 tokens and weights, the bias float32
+    entries_bf16, keep_bf16 = compressed_entries(x.bfloat16(), low, cfg, _ctx(cu, cfg))
+    assert entries_bf16.dtype == torch.bfloat16 and torch.equal(keep_bf16, keep)
+    torch.testing.assert_close(entries_bf16[:4].float(), entries[:4], rtol=2e-2, atol=3e-2)
 
 
 def test_heavily_compressed_attention_refuses_gathered_keys_and_a_flex_context():

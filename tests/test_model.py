@@ -3429,6 +3429,16 @@ def test_compressed_sparse_blocks_decode_as_the_whole_sequence(impl):
     _decodes_as_the_whole_sequence(model, check)
 
 
+def test_compressed_sparse_decoding_rotates_the_indexer_s_entries_as_its_queries():
+    """A CSA layer whose indexer rotates otherwise than its keys (index_interleaved and index_rope_last the other way: its
+    AttentionConfig allows it, where the model's knobs tie them): decoding makes the indexer's entries as the whole
+    sequence does (rotated as the indexer's queries), so it gives the whole sequence's logits."""
+    model = _sharp(DSV4_CSA)
+    attn = model.blocks[1].attn
+    attn.cfg = dataclasses.replace(attn.cfg, index_interleaved=not attn.cfg.interleaved, index_rope_last=not attn.cfg.rope_last)
+    _decodes_as_the_whole_sequence(model, lambda cache: None)
+
+
 def test_deepseek_v4_models_on_the_sparse_kernel_train_as_the_reference():
     """A DeepSeek-V4 model (a sliding block, a CSA block with its indexer's loss, an HCA block, an MTP depth) with impl
     "triton" (CUDA's "auto"; the interpreter here): its contexts hold the masks' rules (MaskRows, never [T, T]; the MTP
@@ -3680,6 +3690,36 @@ def test_a_low_precision_rms_norm_keeps_its_input_alone_for_the_backward(zero_ce
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2 if a.dtype == torch.bfloat16 else 1e-5, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5)
 
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_a_low_precision_rms_norm_has_the_plain_form_s_jvp_and_double_backward(zero_centered):
+    """rms_norm_saving_input's forward-mode derivative (jvp, through x, weight and bias) and its
+    double backward (the gradient of x's gradient, the inverse rms recomputed from x) are the
+    plain form's autograd ones."""
+    from fmoe.layers import rms_norm_saving_input
+
+    def plain(x, weight, b):
+        out = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * (weight + 1.0 if zero_centered else weight)
+        return out + b
+
+    def saving(x, weight, b):
+        return rms_norm_saving_input(x, weight, 1e-6, zero_centered=zero_centered, bias=b)
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b, dx, dw, db, grad_y, v = (torch.randn(*s, generator=g) for s in ((3, 8), (8,), (8,), (3, 8), (8,), (8,), (3, 8), (3, 8)))
+    tangents = []
+    for f in (saving, plain):
+        with torch.autograd.forward_ad.dual_level():
+            out = f(*(torch.autograd.forward_ad.make_dual(t, d) for t, d in ((x, dx), (w, dw), (b, db))))
+            tangents.append(torch.autograd.forward_ad.unpack_dual(out).tangent)
+    torch.testing.assert_close(tangents[0], tangents[1], rtol=1e-5, atol=1e-5)
+    second = []
+    for f in (saving, plain):
+        inputs = [t.clone().requires_grad_() for t in (x, w, b)]
+        grad_x, = torch.autograd.grad(f(*inputs), inputs[0], grad_y, create_graph=True)
+        second.append(torch.autograd.grad((grad_x * v).sum(), inputs[:2]))
+    for a, b_ in zip(*second):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cast_keeps_the_float32_tensors_gradients_float32():
