@@ -593,6 +593,14 @@ def test_out_vocab_prunes_the_output_head_to_the_first_ids():
     losses, _ = model(batch, model.context(batch))
     (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
     assert model.head.grad.abs().sum() > 0 and torch.isfinite(losses["mtp_1_sum"])
+    with torch.no_grad():  # a head bias: added to the logits, and the loss is their cross-entropy
+        plain = model.logits(batch["input_ids"], batch["cu_seqlens"])
+        model.head_bias.uniform_(-2.0, 2.0)
+        biased = model.logits(batch["input_ids"], batch["cu_seqlens"])
+        torch.testing.assert_close(biased, plain + model.head_bias, rtol=1e-5, atol=1e-5)
+        losses, _ = model(batch)
+        mask = batch["loss_mask"].bool()
+        torch.testing.assert_close(losses["lm_sum"], torch.nn.functional.cross_entropy(biased[mask], batch["labels"][mask], reduction="sum"))
     full = dataclasses.replace(cfg, out_vocab=None)
     assert model_flops_per_token(full, n_avg_keys=8.0) - model_flops_per_token(cfg, n_avg_keys=8.0) == 2 * 6 * cfg.hidden * (40 - 24)  # trunk + MTP heads
     labels[3] = 30  # the label of token 2
@@ -1467,6 +1475,18 @@ def test_bad_configs():
         model(batch, Transformer(TINY).context(_batch(TINY)))
     with pytest.raises(ValueError, match=r"batch\['labels'\]: expected shape \(24,\)"):
         model(dict(batch, labels=batch["labels"][:5]))
+    with pytest.raises(ValueError, match=r"batch\['positions'\]: expected shape \(24,\) like input_ids, got \(5,\)"):
+        model(dict(batch, positions=batch["positions"][:5]))
+    with pytest.raises(ValueError, match=r"batch\['mtp_labels'\]: expected shape \(1, 24\): one row per MTP depth \(mtp_depth = 1\), got \(1, 5\)"):
+        model(dict(batch, mtp_labels=batch["mtp_labels"][:, :5]))
+    with pytest.raises(ValueError, match=r"hidden: expected the previous stage's output .* got a tensor \(pipeline_chunk=None\)"):
+        model(batch, hidden=torch.zeros(24, model.cfg.hidden))
+    # a batch split by split_batch (token_index) exactly when the model is context parallel
+    with pytest.raises(ValueError, match="batch: a context-parallel model takes the batch split .* got a split batch, context_parallel=None$"):
+        model.check_batch(dict(batch, token_index=torch.arange(24)))
+    model.context_parallel = "cp"
+    with pytest.raises(ValueError, match="batch: a context-parallel model takes the batch split .* got an unsplit batch, context_parallel=cp$"):
+        model.check_batch(batch)
 
 
 def _loss(model, batch, ctx, *, with_stats=False):
@@ -1911,8 +1931,9 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         model(batch)
     assert model.index_loss_sum() is None  # no gradients: no indexer loss
     assert Transformer(TINY).index_loss_sum() is None
-    with pytest.raises(ValueError, match="weight: expected a finite number >= 0, got -1"):
-        model.set_index_loss_weight(-1)
+    for bad in (-1, True, float("inf")):
+        with pytest.raises(ValueError, match=rf"weight: expected a finite number >= 0, got {bad!r}$"):
+            model.set_index_loss_weight(bad)
     with pytest.raises(ValueError, match="index_loss_coeff: expected a finite number >= 0, got nan"):
         dataclasses.replace(cfg, index_loss_coeff=float("nan"))
     with pytest.raises(ValueError, match="index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk, index_topk_blocks or csa_layers"):
@@ -2239,6 +2260,10 @@ def test_abs_positions_add_learned_position_embeddings_in_place_of_rope():
     with torch.no_grad():
         shifted.load_state_dict({k: torch.cat([torch.randn(2, cfg.hidden), v]) if k == "pos_embed" else v for k, v in model.state_dict().items()})
         torch.testing.assert_close(shifted.logits(ids, cu), model.logits(ids, cu), rtol=0, atol=0)
+        # positions given to logits: their rows (a table of 2 rows more in front, read at each position + 2, gives the same logits)
+        wider = Transformer(dataclasses.replace(cfg, abs_positions=18))
+        wider.load_state_dict(shifted.state_dict())
+        torch.testing.assert_close(wider.logits(ids, cu, fmoe.ops.positions_from_cu_seqlens(cu) + 2), model.logits(ids, cu), rtol=0, atol=0)
     with pytest.raises(ValueError, match="abs_position_offset: the rows of pos_embed before position 0's, needs abs_positions"):
         dataclasses.replace(TINY, abs_position_offset=2)
 
@@ -2416,6 +2441,13 @@ def test_released_model_knobs_build_what_they_say():
         model.logits(batch["input_ids"], torch.tensor([0.0, 4.7, 24.0]))
     with pytest.raises(ValueError, match=r"cu_seqlens: expected 0, ..., T = 24 .*got \[\]"):  # empty: not an IndexError
         model.logits(batch["input_ids"], torch.tensor([], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected 0, ..., T = 24 for input_ids \[T\], got \[4, 24\]"):
+        model.logits(batch["input_ids"], torch.tensor([4, 24]))
+    for part in ("pipeline_chunk", "context_parallel"):
+        setattr(model, part, "set")
+        with pytest.raises(ValueError, match=r"model: logits needs the whole model on one process \(not a pipeline chunk, not context parallel\)"):
+            model.logits(batch["input_ids"], batch["cu_seqlens"])
+        setattr(model, part, None)
     for bad, got in ((torch.arange(23), r"\[23\]"), (torch.arange(24).view(4, 6), r"\[4, 6\]"), ([0] * 24, "list")):
         with pytest.raises(ValueError, match=rf"positions: expected \[T\] = \[24\], one per token of input_ids, got {got}"):
             model.logits(batch["input_ids"], batch["cu_seqlens"], bad)
@@ -2816,12 +2848,14 @@ def test_decode_bad_inputs():
     with pytest.raises(ValueError, match="batch: expected >= 1, got 0"):
         model.kv_cache(4, batch=0)
     pair = model.kv_cache(4, batch=2)
-    with pytest.raises(ValueError, match=r"seqs: expected one sequence index in \[0, 2\) for input_ids \[T\], got 2"):
-        model.decode(ids, pair, seqs=2)
+    for bad in (2, True):
+        with pytest.raises(ValueError, match=rf"seqs: expected one sequence index in \[0, 2\) for input_ids \[T\], got {bad}$"):
+            model.decode(ids, pair, seqs=bad)
     with pytest.raises(ValueError, match=r"seqs: expected distinct sequence indices in \[0, 2\) for input_ids \[S, T\], got \[1, 1\]"):
         model.decode(ids.expand(2, 3), pair, seqs=[1, 1])
-    with pytest.raises(ValueError, match=r"input_ids: 1 rows for the 2 sequences \[0, 1\]"):
-        model.decode(ids[None], pair)
+    for rows in (1, 3):
+        with pytest.raises(ValueError, match=rf"input_ids: {rows} rows for the 2 sequences \[0, 1\] \(one row each\)"):
+            model.decode(ids.expand(rows, 3), pair)
     with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64 with S, T >= 1, got torch.int64 \[0, 1\]"):
         model.decode(ids.new_zeros(0, 1), pair, seqs=[])  # no sequence: max() of nothing
     for bad in ([2], [-1], "0", [True], 1.0):  # -1 reset the last sequence, 0 was a TypeError, 2 an IndexError
@@ -2836,10 +2870,18 @@ def test_decode_bad_inputs():
     assert pair.lengths == [0, 0]  # nothing was written by the refused calls
     with pytest.raises(ValueError, match="cache: expected a KVCache"):
         model.decode(ids, (cache.k, cache.v))
-    with pytest.raises(ValueError, match="cache: holds 2 layers, the model has 3"):
-        model.decode(ids, KVCache(dataclasses.replace(TINY, n_layers=2), 4))
+    for n_layers in (2, 4):
+        with pytest.raises(ValueError, match=f"cache: holds {n_layers} layers, the model has 3"):
+            model.decode(ids, KVCache(dataclasses.replace(TINY, n_layers=n_layers), 4))
     with pytest.raises(ValueError, match=r"cache: holds torch.bfloat16, the model computes in torch.float32 \(make the cache with model.kv_cache\)"):
         model.decode(ids, KVCache(TINY, 4, dtype=torch.bfloat16))
+    model.compute_dtype = torch.bfloat16  # FSDP2's param_dtype: the cache holds it
+    assert model.kv_cache(4).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"cache: holds torch.float32, the model computes in torch.bfloat16 \(make the cache with model.kv_cache\)"):
+        model.decode(ids, cache)
+    model.compute_dtype = None
+    meta = model.kv_cache(4, device="meta")  # sized, nothing allocated
+    assert meta.k.device.type == "meta" and meta.nbytes == cache.nbytes
     with pytest.raises(ValueError, match=r"cache.k: holds torch.float32 \[.., 4, 8\]"):
         model.decode(ids, KVCache(dataclasses.replace(TINY, n_kv_heads=4), 4))
     with torch.no_grad():
@@ -2855,6 +2897,8 @@ def test_decode_bad_inputs():
     cache.length = 1
     with torch.no_grad():
         torch.testing.assert_close(model.decode(ids[1:], cache), whole[1:])
+        model.decode(ids[:1], cache)  # up to max_tokens exactly
+    assert cache.length == 4
     # sliding-window layers: a cache made for other layers is refused, and so is a sequence
     # rewound to fewer tokens (its ring no longer holds their keys); from 0 it starts over
     sliding = _sharp(dataclasses.replace(TINY, window=2, window_layers=(1,)))
@@ -3787,6 +3831,19 @@ def test_kv_cache_write_names_the_store_the_layer_and_the_dtype_it_holds():
     assert float(cache.k.abs().sum()) == 0
     with pytest.raises(RuntimeError, match="block 1 is held by another pipeline stage"):
         LayerElsewhere(1)(torch.zeros(2, 32))
+
+
+def test_embed_scale_multiplies_the_embeddings_rounded_to_their_dtype_first_with_round_embed_scale():
+    """embed_scale s: the embeddings times s in their dtype; round_embed_scale: times s rounded to that dtype first
+    (Gemma's), which differs in bfloat16."""
+    ids = torch.arange(TINY.vocab_size)
+    scale = 32**0.5
+    for rounded in (False, True):
+        model = Transformer(dataclasses.replace(TINY, embed_scale=scale, round_embed_scale=rounded)).to(torch.bfloat16)
+        rows = model.embed.detach()
+        with torch.no_grad():
+            assert torch.equal(model._embedding(ids), rows * torch.tensor(scale, dtype=torch.bfloat16) if rounded else rows * scale)
+    assert not torch.equal(rows * torch.tensor(scale, dtype=torch.bfloat16), rows * scale)
 
 
 def test_an_mtp_module_projects_the_normed_embedding_before_the_normed_hidden_state():
