@@ -1380,7 +1380,8 @@ def test_bad_configs():
     # nothing, or ran (n_dense=1.5), or failed at build (n_shared=1.5: torch.empty); an unknown linear_kind passed while no
     # block was linear
     for name in ("qkv_bias", "o_bias", "attn_sinks", "router_bias", "expert_biases", "mtp_norm", "shared_gate", "expert_bias",
-                 "tie_embeddings", "round_embed_scale"):
+                 "tie_embeddings", "round_embed_scale", "dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars", "v_norm",
+                 "global_k_eq_v"):
         with pytest.raises(ValueError, match=f"^{name}: expected a bool, got 'False'"):
             TransformerConfig(**{name: "False"})
     for name, value, said in (("n_dense", 1.5, r"n_dense: expected 0..n_layers = 4 \(an int\), got 1.5"),
@@ -1396,6 +1397,10 @@ def test_bad_configs():
     assert all(m.expert_bias.shape == (softmax.cfg.n_experts,) for m in softmax.moe_layers().values())
     with pytest.raises(ValueError, match="hidden: expected a positive int"):
         TransformerConfig(hidden=0)
+    # the bounds' edges are taken: a zero init_std, every block dense, rope_dim = head_dim, shared_ffn 0, and block lists kept sorted
+    edges = TransformerConfig(n_layers=2, n_dense=2, init_std=0.0, rope_dim=32, shared_ffn=0, moe_layers=[1, 0], window=3,
+                              local_heads=3, local_kv_heads=1)
+    assert (edges.n_dense, edges.init_std, edges.rope_dim, edges.shared_ffn, edges.moe_layers) == (2, 0.0, 32, 0, (0, 1))
     for bad, said in ((1.0, "expected an int, got 1.0"), (True, "expected an int, got True"), ("1", "expected an int, got '1'"),
                       (-1, "expected >= 0, got -1")):  # TypeErrors, or True taken as one MTP module
         with pytest.raises(ValueError, match=f"mtp_depth: {said}"):
@@ -1874,6 +1879,56 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(o_groups=3, o_rank=4), r"o_groups: groups of whole heads, expected a divisor of n_heads = 4, got 3"),
     (dict(o_rank=4), r"o_groups and o_rank: the grouped output projection's groups and rank, give both or neither"),
     (dict(rope_reversed="yes"), r"rope_reversed: expected a bool, got 'yes'"),
+    (dict(k=0), r"^k: expected a positive int, got 0$"),
+    (dict(mlp_act="xielu", n_dense=4, shortcut_moe=True), r"^mlp_act: 'xielu' \(Apertus's, with learned scalars per MLP\) in dense MLPs only"),
+    (dict(mlp_act="relu2", expert_biases=True), r"^expert_biases: mlp_act 'relu2' makes experts without a gate, which take no b_gate"),
+    (dict(dense_beside_moe=True, post_norms=True, norm_gate_rank=2), r"^dense_beside_moe: Gemma 4's dense MLP beside the MoE, each with its own norms, not with norm_gate_rank$"),
+    (dict(dense_beside_moe=True), r"^dense_beside_moe: the dense MLP and the MoE each have a pre- and a post-norm, needs pre_norms and post_norms$"),
+    (dict(layer_scalars=True, hyper_connections=2), r"^layer_scalars: a scale of each block's output stream, not with shortcut_moe or hyper_connections$"),
+    (dict(value_scale=0.0), r"^value_scale: expected a positive finite number, got 0.0$"),
+    (dict(embed_scale=None), r"^embed_scale: expected a positive finite number, got None$"),
+    (dict(window_layers=(1,)), r"^window_layers: needs a window"),
+    (dict(chunk_layers=(1,)), r"^chunk_layers: needs a chunk"),
+    (dict(nope_temperature_floor=4), r"^nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers$"),
+    (dict(logit_softcap=True), r"^logit_softcap: expected None or a positive finite number, got True$"),
+    (dict(nope_layers=(1,), nope_temperature_floor=4, query_temperature_floor=4),
+     r"^query_temperature_floor: scales every block's queries, not beside nope_temperature_floor"),
+    (dict(local_rope_base=100.0), r"^local_rope_base: the RoPE base of the window's or chunk's blocks, needs a window or a chunk$"),
+    (dict(window=3, local_heads=2, local_kv_heads=4), r"^local_kv_heads: 2 heads do not split over 4 kv heads$"),
+    (dict(window=3, local_kv_heads=2, q_rank=8, kv_rank=8), r"^local_kv_heads: grouped-query attention's kv heads; multi-latent attention has n_heads$"),
+    (dict(window=3, local_rope_base=100.0, local_head_dim=4, v_head_dim=8),
+     r"^local_head_dim: grouped-query attention's head dim \(its values' too\), not with kv_rank or v_head_dim$"),
+    (dict(window=3, local_head_dim=4), r"^local_head_dim: the local blocks' RoPE tables are their own \(of their head dim\), needs local_rope_base$"),
+    (dict(moe_out_norm=True, post_norms=True), r"^moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's$"),
+    (dict(parallel_blocks=True, moe_out_norm=True), r"^parallel_blocks: attention and MLP of one pre-norm's output, needs pre_norms and neither"),
+    (dict(abs_position_offset=2), r"^abs_position_offset: the rows of pos_embed before position 0's, needs abs_positions$"),
+    (dict(abs_positions=64, mtp_depth=1), r"^abs_positions: learned absolute positions leave every block without RoPE, .* set mtp_depth=0$"),
+    (dict(parallel_norms=True), r"^parallel_norms: the MLP's own pre-norm in a parallel block, needs parallel_blocks=True$"),
+    (dict(attn_gate_per_head=True), r"^attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True$"),
+    (dict(value_scale=0.5, q_rank=8, kv_rank=8), r"^value_scale: scales grouped-query attention's values, not multi-latent attention's$"),
+    (dict(clip_qkv=8.0, linear_layers=(1,)), r"^clip_qkv: clamps the attention blocks' q, k and v; the linear-attention blocks"),
+    (dict(sink_layers=(1,)), r"^sink_layers: the blocks with attention sinks, needs attn_sinks$"),
+    (dict(residual_gates="False"), r"^residual_gates: expected a bool, got 'False'$"),
+    (dict(out_vocab=41), r"^out_vocab: expected 1..40, got 41$"),
+    (dict(out_vocab=30, tie_embeddings=True), r"^out_vocab: an output head of its own rows, not with tie_embeddings"),
+    (dict(fp8_layers=(1,)), r"^fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True$"),
+    (dict(shortcut_moe=True, moe_layers=(0, 2), residual_scale=0.5),
+     r"^shortcut_moe: a pair of pre-norm blocks, not with parallel_blocks, post_norms, moe_out_norm or residual_scale$"),
+    (dict(mla_scales=True, q_rank=8), r"^mla_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank$"),
+    (dict(index_loss_coeff=0.0), r"^index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk"),
+    (dict(index_local_blocks=2), r"^index_local_blocks: a knob of block-sparse attention, needs index_topk_blocks$"),
+    (dict(index_topk_blocks=2, alibi=True), r"^alibi: not with block-sparse attention \(index_topk_blocks\)$"),
+    (dict(linear_dt_min=0.001), r"^linear_dt_min: the floor of Mamba-2's dt, needs linear_layers and linear_kind='mamba2'$"),
+    (dict(linear_layers=(1,), linear_kind="lightning", linear_norm_eps=1e-5),
+     r"^linear_norm_eps: the linear-attention blocks' gated output norm's eps, needs linear_layers and a linear_kind with that norm"),
+    (dict(linear_layers=(1,), linear_pre_norms=True), r"^linear_pre_norms: .* but every block is pre-norm already \(pre_norms without post_norms\)$"),
+    (dict(linear_layers=(1,), attn_sinks=True, sink_layers=(1,)), r"^sink_layers: blocks \[1\] are linear-attention blocks \(linear_layers\), which do not attend$"),
+    (dict(chunk=4, rope_proportion=0.5), r"^rope_proportion: proportional RoPE in the blocks without a window or chunk; those with one need"),
+    (dict(swiglu_limit_layers=(1,)), r"^swiglu_limit_layers: the blocks that swiglu_limit clamps, needs swiglu_limit$"),
+    (dict(mlp_bias=True, shortcut_moe=True, moe_layers=(0, 2)), r"^mlp_bias: biases on the dense blocks' MLPs, not with shortcut_moe \(whose dense MLPs have none\)$"),
+    (dict(mlp_bias=True, dense_beside_moe=True, post_norms=True), r"^mlp_bias: biases on the dense blocks' MLPs, not with dense_beside_moe \(whose"),
+    (dict(linear_layers=(1,), parallel_hybrid=True, index_topk=2),
+     r"^parallel_hybrid: softmax attention beside the linear mixer .* needs linear_layers, not with DeepSeek sparse attention \(index_topk\)$"),
 ])
 def test_released_model_knobs_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message):
