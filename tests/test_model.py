@@ -1494,6 +1494,92 @@ def test_bad_configs():
         model.check_batch(batch)
 
 
+def test_layer_predicates_place_each_block_s_parts():
+    """Which trunk blocks are MoE, hashed, shortcut pairs, attending, local, fp8, with sinks or
+    NoPE, and their heads, kv heads, head dims and SwiGLU clamps (i None: an MTP block)."""
+    cfg = dataclasses.replace(TINY, n_layers=6, n_dense=1, hash_layers=2, score="sqrtsoftplus")
+    assert [cfg.is_moe(i) for i in range(6)] == [False, True, True, True, True, True]
+    assert [cfg.is_hash(i) for i in range(6)] == [False, True, True, False, False, False]
+    pairs = dataclasses.replace(TINY, n_layers=4, n_dense=0, n_shared=0, shortcut_moe=True)
+    assert [pairs.is_moe(i) for i in range(4)] == [True, False, True, False]
+    assert [pairs.shortcut(i) for i in range(4)] == ["out", "in", "out", "in"]
+    assert [dataclasses.replace(pairs, n_dense=2).shortcut(i) for i in range(4)] == [None, None, "out", "in"]
+    assert [VARIANTS["falcon_h1"].attends(i) for i in range(3)] == [True] * 3
+    hybrid = dataclasses.replace(TINY, n_layers=4, n_dense=4, mixer_free_layers=(1,), linear_layers=(0, 3), linear_kind="mamba2", window=4)
+    assert [hybrid.attends(i) for i in range(4)] == [False, False, True, False]
+    assert [hybrid.is_sliding(i) for i in range(4)] == [False, False, True, False]
+    chunked = dataclasses.replace(hybrid, window=None, chunk=4)
+    assert [chunked.is_chunked(i) for i in range(4)] == [False, False, True, False]
+    assert [chunked.is_local(i) for i in range(4)] == [False, False, True, False]
+    heads = dataclasses.replace(TINY, chunk=4, chunk_layers=(0, 2), local_heads=8, local_kv_heads=4, local_head_dim=6, local_rope_base=100.0)
+    assert [heads.heads(i) for i in (0, 1, 2, None)] == [8, 4, 8, 4]
+    assert [heads.kv_heads(i) for i in (0, 1, 2, None)] == [4, 2, 4, 2]
+    assert [heads.layer_head_dim(i) for i in (0, 1, 2, None)] == [6, 8, 6, 8]
+    fp8 = dataclasses.replace(TINY, fp8=True, fp8_layers=(1,))
+    assert [fp8.is_fp8(i) for i in (0, 1, 2, None)] == [False, True, False, False]
+    assert [dataclasses.replace(TINY, fp8=True).is_fp8(i) for i in (0, None)] == [True, True]
+    sinks = dataclasses.replace(TINY, attn_sinks=True, sink_layers=(0, 2))
+    assert [sinks.has_sinks(i) for i in (0, 1, 2, None)] == [True, False, True, False]
+    assert [TINY.is_nope(i) for i in range(3)] == [False] * 3
+    assert [dataclasses.replace(TINY, abs_positions=32).is_nope(i) for i in range(3)] == [True] * 3
+    limits = dataclasses.replace(TINY, swiglu_limit=0.5, swiglu_limit_layers=(1,), shared_swiglu_limit=0.7, shared_swiglu_limit_layers=(2,))
+    assert [limits.clamps(i) for i in (0, 1, 2, None)] == [False, True, False, False]
+    assert [limits.mlp_limit(i) for i in (0, 1, 2, None)] == [None, None, 0.7, None]
+    assert [(limits.moe_config(layer=i).swiglu_limit, limits.moe_config(layer=i).shared_swiglu_limit) for i in (1, 2, None)] == [
+        (0.5, None), (None, 0.7), (None, None)]
+    assert dataclasses.replace(TINY, n_shared=2).shared_size == 32 and dataclasses.replace(TINY, hyper_connections=0).stream_width == 32
+    assert dataclasses.replace(TINY, out_vocab=24).head_vocab == 24
+    longrope = dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_original_max_positions=1)
+    assert not longrope.longrope_switches and dataclasses.replace(longrope, longrope_long_scale=1.3).longrope_switches
+    assert dataclasses.replace(longrope, longrope_long_factors=(3.0, 9.0)).longrope_switches
+
+
+def test_index_predicates_choose_each_block_s_indexer():
+    """A block of index_shared_layers takes the keys of the nearest earlier block with an
+    indexer (a linear block has none) and trains no indexer; index_block_layers' blocks (and
+    the MTP blocks) attend block-sparse."""
+    dsa = VARIANTS["dsa"]
+    assert [dsa.index_source(i) for i in range(3)] == [0, 1, 1]
+    shared = dataclasses.replace(dsa, n_layers=4, n_dense=1, index_shared_layers=(2, 3))
+    assert [shared.index_source(i) for i in range(4)] == [0, 1, 1, 1]
+    after_linear = dataclasses.replace(dsa, n_layers=4, linear_layers=(1,), index_shared_layers=(2, 3))
+    assert [after_linear.index_source(i) for i in (0, 2, 3)] == [0, 0, 0]
+    assert dsa.attention_config(index_shared=True).index_loss is False and dsa.attention_config().index_loss is True
+    assert [MINIMAX_M3.is_index_blocks(i) for i in (0, 1, 2, None)] == [False, True, True, True]
+
+
+def test_per_layer_configs_carry_their_block_s_knobs():
+    """The blocks' MoE, linear-attention and attention configs carry the knobs of their block:
+    fp8, eps, dt rank, the local blocks' RoPE and k_eq_v, the NoPE blocks' q/k norms and
+    temperature, the context's global head dim; micro-batches past abs_positions refused."""
+    fp8 = dataclasses.replace(TINY, fp8=True, fp8_fast_accum=True)
+    assert fp8.moe_config().fp8_fast_accum and not fp8.moe_config(fp8=False).fp8_fast_accum
+    assert dataclasses.replace(TINY, post_norms=True, post_norm_eps=1e-3).moe_config().expert_out_norm_eps == 1e-3
+    lin = dataclasses.replace(TINY, linear_layers=(0,), linear_k_heads=2, linear_v_heads=2, linear_k_dim=4, linear_v_dim=6, linear_conv=3)
+    assert lin.linear_attention_config(fp8=True).fp8 and not lin.linear_attention_config().fp8
+    jamba = VARIANTS["jamba"]
+    assert jamba.linear_attention_config().dt_rank == 2 and dataclasses.replace(jamba, hidden=40).linear_attention_config().dt_rank == 3
+    assert dataclasses.replace(VARIANTS["minimax"], norm_eps=1e-5).linear_attention_config().norm_eps == 1e-6
+    local = dataclasses.replace(TINY, window=4, window_layers=(0,), local_head_dim=6, local_rope_base=100.0, rope_proportion=0.25)
+    assert local.attention_config(local=True).rope_proportion is None and local.attention_config().rope_proportion == 0.25
+    assert local.attention_config(local=True).local_head_dim is None and local.attention_config().local_head_dim == 6
+    gemma4 = VARIANTS["gemma4"]
+    assert (gemma4.attention_config(local=True).k_eq_v, gemma4.attention_config().k_eq_v) == (False, True)
+    ctx = local.context_config()
+    assert (ctx.head_dim, ctx.rope_proportion, ctx.local_head_dim, ctx.window) == (8, 0.25, 6, 4)
+    nope = dataclasses.replace(TINY, qk_norm="head_layer", qk_norm_bias=True, nope_layers=(1,), nope_qk_norm=False)
+    assert (nope.attention_config(rope=False).qk_norm, nope.attention_config(rope=False).qk_norm_bias) == (None, False)
+    assert (nope.attention_config().qk_norm, nope.attention_config().qk_norm_bias) == ("head_layer", True)
+    mla = VARIANTS["mla, group top-2, mtp norm"]
+    assert dataclasses.replace(mla, norm_eps=1e-5).attention_config().latent_norm_eps == 1e-6
+    beam = VARIANTS["beam"]
+    assert (beam.attention_config().temperature_kind, beam.attention_config(rope=False).temperature_kind) == ("log", "power")
+    positions = dataclasses.replace(TINY, abs_positions=32)
+    positions.check_micro_batch(32, "--train.micro_batch_tokens")
+    with pytest.raises(ValueError, match=r"^--train.micro_batch_tokens: expected at most 32 tokens, .* got 33$"):
+        positions.check_micro_batch(33, "--train.micro_batch_tokens")
+
+
 def _loss(model, batch, ctx, *, with_stats=False):
     """The step's loss as the loop makes it, LM + MTP + balancing terms, from one forward
     (and the MoE stats with with_stats=True)."""
