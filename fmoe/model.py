@@ -1114,10 +1114,10 @@ class TransformerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        for name in ("init_std", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        if isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float)) or not 0 <= self.init_std < math.inf:
+            raise ValueError(f"init_std: expected a finite number >= 0, got {self.init_std!r}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < math.inf:
+            raise ValueError(f"norm_eps: expected a positive finite number, got {self.norm_eps!r}")  # the attention's bound: 0 refused there
         if isinstance(self.n_dense, bool) or not isinstance(self.n_dense, int) or not 0 <= self.n_dense <= self.n_layers:
             raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers} (an int), got {self.n_dense!r}")
         check_positive_int("mtp_depth", self.mtp_depth, 0)
