@@ -1116,8 +1116,6 @@ class TransformerConfig:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float)) or not 0 <= self.init_std < math.inf:
             raise ValueError(f"init_std: expected a finite number >= 0, got {self.init_std!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < math.inf:
-            raise ValueError(f"norm_eps: expected a positive finite number, got {self.norm_eps!r}")  # the attention's bound: 0 refused there
         if isinstance(self.n_dense, bool) or not isinstance(self.n_dense, int) or not 0 <= self.n_dense <= self.n_layers:
             raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers} (an int), got {self.n_dense!r}")
         check_positive_int("mtp_depth", self.mtp_depth, 0)
@@ -1147,7 +1145,7 @@ class TransformerConfig:
                 raise ValueError("dense_beside_moe: the dense MLP and the MoE each have a pre- and a post-norm, needs pre_norms and post_norms")
         if self.layer_scalars and (self.shortcut_moe or self.hyper_connections):
             raise ValueError("layer_scalars: a scale of each block's output stream, not with shortcut_moe or hyper_connections")
-        for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor", "value_scale"):
+        for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor", "value_scale", "norm_eps"):  # norm_eps: the attention's bound
             value = getattr(self, name)
             if (value is not None or name != "attn_scale") and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
                 raise ValueError(f"{name}: expected a positive finite number{' or None' if name == 'attn_scale' else ''}, got {value!r}")

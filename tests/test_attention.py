@@ -41,6 +41,11 @@ def _plain_angles(positions, rot, base=10000.0):
     return positions.double()[:, None], inv_freq
 
 
+def _unit_rms(t, eps):
+    """t over the root mean square of its last dim's channels, no weight."""
+    return t / (t.square().mean(-1, keepdim=True) + eps).sqrt()
+
+
 def _loop_attention(x, p, cfg, cu):
     """Token by token, head by head, each document on its own: the definition."""
     T, (N, G, D) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
@@ -57,12 +62,12 @@ def _loop_attention(x, p, cfg, cu):
     if cfg.clip_qkv is not None:  # each projection clamped to [-c, c] (DBRX)
         q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
     if cfg.v_norm:  # each value head over its channels, no weight (Gemma 4's)
-        v = v / (v.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
+        v = _unit_rms(v, cfg.norm_eps)
     v = v * cfg.v_scale
     if cfg.rope:
         q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
     if cfg.qk_norm == "rms":  # each head's channels / their root mean square, no weight
-        q, k = (t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() for t in (q, k))
+        q, k = (_unit_rms(t, cfg.norm_eps) for t in (q, k))
     if cfg.temperature_floor is not None:  # the query temperature: 1 + s log(1 + floor((p + offset) / f))
         q = q * _temperatures(positions, cfg)[:, None, None]
     rows = []
@@ -86,7 +91,7 @@ def _loop_attention(x, p, cfg, cu):
                     weights = torch.softmax(scores, dim=0)
                 head = weights @ v[first:t + 1, g]
                 if cfg.out_norm:  # each head's output over its channels, no weight (Muse Spark's)
-                    head = head / (head.square().mean() + cfg.norm_eps).sqrt()
+                    head = _unit_rms(head, cfg.norm_eps)
                 heads.append(head)
             rows.append(torch.cat(heads))
     out = torch.stack(rows)
@@ -2305,7 +2310,7 @@ def _loop_moa(x, p, cfg, cu):
     keys = apply_rope((x @ p["wk"]).view(T, G, D), cos, sin, impl="torch")
     values = (x @ p["wv"]).view(T, G, D)
     if cfg.qk_norm == "rms":
-        keys = keys / (keys.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
+        keys = _unit_rms(keys, cfg.norm_eps)
     top = (x @ p["moa_router"]).topk(k, dim=-1)
     gates = torch.softmax(top.values, dim=-1)
     rows = []
@@ -2318,7 +2323,7 @@ def _loop_moa(x, p, cfg, cu):
                 e = int(top.indices[t, j])
                 q = apply_rope((x[t] @ p["wq"][e]).view(1, G, D), cos[t:t + 1], sin[t:t + 1], impl="torch")[0]
                 if cfg.qk_norm == "rms":
-                    q = q / (q.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
+                    q = _unit_rms(q, cfg.norm_eps)
                 heads = [torch.softmax(keys[first:t + 1, g] @ q[g] * softmax_scale(cfg), dim=0) @ values[first:t + 1, g] for g in range(G)]
                 y = y + gates[t, j] * (torch.cat(heads) @ p["wo"][e])
             rows.append(y)
