@@ -1734,7 +1734,7 @@ class TransformerConfig:
                                          v_head_dim=self.linear_v_dim, conv=self.linear_conv,
                                          # MiniMax's output norm's eps, or OLMo Hybrid's own (linear_norm_eps)
                                          norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),
-                                         impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
+                                         impl=self.impl, kind=self.linear_kind,
                                          full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
                                          dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
                                          dt_rank=(-(-self.hidden // 16) if self.linear_dt_rank is None else self.linear_dt_rank)

@@ -1558,6 +1558,7 @@ def test_per_layer_configs_carry_their_block_s_knobs():
     assert dataclasses.replace(TINY, post_norms=True, post_norm_eps=1e-3).moe_config().expert_out_norm_eps == 1e-3
     lin = dataclasses.replace(TINY, linear_layers=(0,), linear_k_heads=2, linear_v_heads=2, linear_k_dim=4, linear_v_dim=6, linear_conv=3)
     assert lin.linear_attention_config(fp8=True).fp8 and not lin.linear_attention_config().fp8
+    assert [dataclasses.replace(lin, impl=impl).linear_attention_config().impl for impl in ("auto", "triton", "torch")] == ["auto", "triton", "torch"]
     jamba = VARIANTS["jamba"]
     assert jamba.linear_attention_config().dt_rank == 2 and dataclasses.replace(jamba, hidden=40).linear_attention_config().dt_rank == 3
     assert dataclasses.replace(VARIANTS["minimax"], norm_eps=1e-5).linear_attention_config().norm_eps == 1e-6
