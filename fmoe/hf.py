@@ -5402,8 +5402,10 @@ def _not_read(family: Family, cfg: TransformerConfig, path, stored) -> list[str]
         past = cfg.n_layers + (cfg.mtp_depth if family.mtp else 0)
         return (family.mtp or not family.extra_layers_read) and layer is not None and int(layer[1]) >= past
 
+    # an MTP module read (mtp_depth >= 1) is not under not_read: its keys left unread (mtp.norm with mtp_norm=False) count
+    not_read = tuple(p for p in family.not_read if not (family.mtp_module and cfg.mtp_depth and p == "mtp."))
     return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)
-            and not key.startswith(family.not_read) and not any(re.search(pattern, key) for pattern in family.ignored)]
+            and not key.startswith(not_read) and not any(re.search(pattern, key) for pattern in family.ignored)]
 
 
 def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
@@ -5870,6 +5872,8 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     options: TransformerConfig fields to set on top of the mapped config (e.g. impl="torch",
     ac="full"). mtp_depth: by default the MTP layers the checkpoint holds (DeepSeek-V3,
     GLM-4.5, GLM-4.7-Flash; none for the others); more depths than it holds start from fresh weights.
+    An MTP module the folder holds (Qwen3-Next's mtp.) is read with its own output norm
+    (mtp_norm=True) whether or not mtp_depth is given.
     Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised. strict: a checkpoint
     key the options leave unread (e.g. n_shared=0 on a model with shared experts) is a
     ValueError; strict=False drops it (load_weights). Returns (model, cfg);
@@ -5881,9 +5885,10 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
         raise ValueError(f"strict: expected a bool, got {strict!r}")
     hf, cfg = read_config(path)
     family = FAMILIES[hf["model_type"]]
-    if (family.mtp or family.mtp_module) and "mtp_depth" not in options:
-        options["mtp_depth"] = _held_mtp_depth(family, cfg, _weight_files(Path(path)))
-        if family.mtp_module and options["mtp_depth"]:  # its own output norm, mtp.norm
+    if family.mtp or family.mtp_module:
+        held = _held_mtp_depth(family, cfg, _weight_files(Path(path)))
+        options.setdefault("mtp_depth", held)
+        if family.mtp_module and held and options["mtp_depth"]:  # the module read with its own output norm, mtp.norm
             options.setdefault("mtp_norm", True)
     if options:
         try:

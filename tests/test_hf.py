@@ -5090,6 +5090,10 @@ def test_qwen3_next_reads_and_writes_its_mtp_module(folders, tmp_path):
     mine = dict(model.named_parameters())
     for name, p in again.named_parameters():
         assert torch.equal(p, mine[name]), name
+    asked, asked_cfg = hf.from_pretrained(tmp_path / "mtp", impl="torch", mtp_depth=1)  # the depth given: the module's own norm still read
+    assert asked_cfg.mtp_norm and torch.equal(asked.mtp[0].out_norm.weight, mine["mtp.0.out_norm.weight"])
+    with pytest.raises(ValueError, match=r"reads nowhere, e\.g\. 'mtp\.norm\.weight'"):  # on the final norm, its own would be lost
+        hf.from_pretrained(tmp_path / "mtp", impl="torch", mtp_depth=1, mtp_norm=False)
 
     # transformers' block on the module's weights: a one-layer Qwen3-Next whose layer, final norm are the module's
     hf_cfg = dict(ref.config.to_dict(), num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
