@@ -6795,7 +6795,7 @@ class _ShardWriter:
         self.bytes = self.total = 0
         self.files: list[tuple[Path, list[str]]] = []
         path.mkdir(parents=True, exist_ok=True)
-        for old in [*path.glob("model-*.partial.safetensors"), path / "config.json.partial"]:
+        for old in [*path.glob("model-*.partial.safetensors"), path / "config.json.partial", path / "model.safetensors.index.json.partial"]:
             old.unlink(missing_ok=True)  # a killed export's
 
     def add(self, key: str, value: torch.Tensor) -> None:

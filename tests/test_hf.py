@@ -862,6 +862,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "replace", rename)
     (out / "model-00003.partial.safetensors").write_bytes(b"left by a killed export")
     (out / "config.json.partial").write_text("{")
+    (out / "model.safetensors.index.json.partial").write_text("{")
     hf.save_pretrained(model, out)
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
