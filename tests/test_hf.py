@@ -10,6 +10,7 @@ import dataclasses
 import filecmp
 import json
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -1121,7 +1122,7 @@ def test_a_model_a_family_cannot_hold_is_refused_before_writing():
         hf.hf_config(cfg, "dbrx")
     with pytest.raises(ValueError, match=r"^model: its config has no deepseek_v4 equivalent: swiglu_limit = None is not supported"):
         hf.hf_config(cfg, "deepseek_v4")
-    dbrx = TransformerConfig(**hf.FAMILIES["dbrx"].kwargs(FAMILIES["dbrx"]().to_dict()))  # a model DBRX holds is still written
+    dbrx = _family_config("dbrx")  # a model DBRX holds is still written
     assert hf.hf_config(dbrx, "dbrx")["ffn_config"]["moe_num_experts"] == 4
 
 
@@ -3481,6 +3482,11 @@ def _copy_folder(src, dst, tensors, config_change=None):
     return dst
 
 
+def _family_config(family: str) -> TransformerConfig:
+    """fmoe's config of the tiny test model of `family` (FAMILIES), read from its HF config."""
+    return TransformerConfig(**hf.FAMILIES[family].kwargs(FAMILIES[family]().to_dict()))
+
+
 def _read_all(path):
     from safetensors.torch import load_file
 
@@ -3755,6 +3761,185 @@ def test_mxfp4_experts_are_dequantised(folders, tmp_path):
     assert not any(k.endswith(("_blocks", "_scales")) for k in out)
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         hf.dequantize_mxfp4(torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8))
+
+
+def test_fp8_blocks_of_other_heights_than_widths_scale_their_own_rows_and_columns(tmp_path):
+    """A 3x5 FP8 weight in 2x4 blocks (the edge blocks cut): each entry times its block's
+    scale_inv, the rows' blocks 2 high and the columns' 4 wide, as weight_block_size [m, n]
+    names them; the misfits are refused by name."""
+    w = torch.ones(3, 5).to(torch.float8_e4m3fn)
+    want = torch.tensor([[1.0, 1, 1, 1, 2], [1, 1, 1, 1, 2], [4, 4, 4, 4, 8]])
+    assert torch.equal(hf.dequantize_fp8(w, torch.tensor([[1.0, 2.0], [4.0, 8.0]]), (2, 4)), want)
+    with pytest.raises(ValueError, match=r"^checkpoint: fp8 scales of shape \(2, 3\) for a 3x5 weight in 2x4 blocks$"):
+        hf.dequantize_fp8(w, torch.ones(2, 3), (2, 4))
+    with pytest.raises(ValueError, match=r"^config.json: an fp8 weight without a quantization_config \(weight_block_size\)$"):
+        hf.dequantize_fp8(w, torch.ones(2, 2), None)
+    with pytest.raises(ValueError, match=r"^checkpoint: an fp8 weight of shape \(4,\), expected \[\.\.\., out, in\]$"):
+        hf.dequantize_fp8(torch.ones(4).to(torch.float8_e4m3fn), torch.ones(1), (2, 4))
+
+
+@pytest.mark.parametrize("config, read", [
+    ({}, (None, None)),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 4]}}, ((2, 4), None)),
+    ({"text_config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}}, ((128, 64), None)),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, (None, None)),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": dict(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)}}}}, (None, (4, 32))),
+], ids=["none", "fp8", "text_config", "mxfp4", "int4"])
+def test_the_weight_quantization_is_read_from_config_json(config, read, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf._weight_quantization(tmp_path) == read
+
+
+def test_fp8_without_weight_block_size_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}))
+    with pytest.raises(ValueError, match=r"^config.json: quantization_config \{'quant_method': 'fp8', 'activation_scheme': 'static'\} is not "
+                                         r"supported \(block-scaled fp8 with weight_block_size \[m, n\]"):
+        hf._weight_quantization(tmp_path)
+
+
+def _packed_int_config(top_format="pack-quantized", **weights):
+    group = {"weights": dict(dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=8), **weights)}
+    return {"quant_method": "compressed-tensors", "format": top_format, "config_groups": {"group_0": group}}
+
+
+@pytest.mark.parametrize("quant, scheme", [
+    (_packed_int_config(), (4, 8)),
+    (_packed_int_config(num_bits=2, group_size=16), (2, 16)),
+    (_packed_int_config(num_bits=8, strategy="channel", group_size=32), (8, None)),
+    (dict(_packed_int_config("naive-quantized"), config_groups={"group_0": dict(_packed_int_config()["config_groups"]["group_0"],
+                                                                                format="pack-quantized")}), (4, 8)),
+], ids=["int4", "int2", "per-channel", "group-format"])
+def test_a_compressed_tensors_config_reads_as_its_one_weight_scheme(quant, scheme):
+    assert hf._packed_int(quant) == scheme
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda q: q.update(format="naive-quantized"), r"has format 'naive-quantized'"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "has quantised activations"),
+    (lambda q: q["config_groups"]["group_0"].update(output_activations={"num_bits": 8}), "has quantised activations"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=16), "has num_bits 16"),
+    (lambda q: q.update(config_groups={}), r"with 0 weight schemes \(num_bits, group_size\): \[\]; fmoe reads one"),
+], ids=["format", "input-activations", "output-activations", "num-bits", "no-groups"])
+def test_a_compressed_tensors_config_fmoe_cannot_read_is_named(change, problem):
+    quant = _packed_int_config()
+    change(quant)
+    with pytest.raises(ValueError, match=r"^config.json: compressed-tensors config_groups.*" + problem):
+        hf._packed_int(quant)
+
+
+def test_fp4_and_mxfp4_codes_dequantise_as_worked_by_hand():
+    """Two e2m1 codes a byte, the low nibble first: 0x21 is 0.5 then 1.0, 0x9F is -6.0 then
+    -0.5; DeepSeek-V4's FP4 scales each block of its grid (float32, or biased uint8 exponents),
+    MXFP4 scales each group of 32 by 2 ** (byte - 127). The misfits are refused by name."""
+    packed = torch.tensor([[0x21, 0x9F - 256]], dtype=torch.int8)
+    assert torch.equal(hf.dequantize_fp4(packed, torch.tensor([[2.0]])), torch.tensor([[1.0, 2.0, -12.0, -1.0]]))
+    assert torch.equal(hf.dequantize_fp4(packed, torch.tensor([[128, 125]], dtype=torch.uint8)), torch.tensor([[1.0, 2.0, -1.5, -0.125]]))
+    with pytest.raises(ValueError, match=r"^checkpoint: an FP4 weight stored as torch.uint8, expected int8 \(two e2m1 codes a byte\)$"):
+        hf.dequantize_fp4(packed.view(torch.uint8), torch.tensor([[2.0]]))
+    with pytest.raises(ValueError, match=r"^checkpoint: an FP4 weight of shape \(1, 2\) with scales of shape \(1,\), "
+                                         r"expected \[\.\.\., out, in / 2\]"):
+        hf.dequantize_fp4(packed, torch.tensor([2.0]))
+    with pytest.raises(ValueError, match=r"^checkpoint: FP4 scales of shape \(3, 1, 1\) do not tile a 2x1x4 weight$"):
+        hf.dequantize_fp4(torch.stack([packed, packed]), torch.ones(3, 1, 1))
+    blocks = torch.zeros(1, 16, dtype=torch.uint8)
+    blocks[0, :2] = torch.tensor([0x9F, 0x21])
+    assert torch.equal(hf.dequantize_mxfp4(blocks, torch.tensor([128], dtype=torch.uint8)), torch.tensor([-12.0, -1.0, 1.0, 2.0] + [0.0] * 28))
+    for b, s, said in ((blocks[:, :8], torch.tensor([128], dtype=torch.uint8), "torch.uint8 (1, 8) and torch.uint8 (1,)"),
+                       (blocks, torch.tensor([128], dtype=torch.int32), "torch.uint8 (1, 16) and torch.int32 (1,)")):
+        with pytest.raises(ValueError, match=r"^checkpoint: MXFP4 blocks \[\.\.\., G, 16\] and scales \[\.\.\., G\] of uint8 expected, got "
+                                             + re.escape(said) + "$"):
+            hf.dequantize_mxfp4(b, s)
+
+
+def test_packed_2_bit_weights_dequantise_as_worked_by_hand():
+    """16 columns' 2-bit codes per int32, the first in the lowest bits, each the value + 2:
+    codes 3, 0, 1, 2 are 1, -2, -1, 0; a scale per group of 2 columns; codes not in int32 refused."""
+    word = torch.tensor([[3 | 0 << 2 | 1 << 4 | 2 << 6]], dtype=torch.int32)
+    assert torch.equal(hf.dequantize_int_packed(word, torch.tensor([[1.0]]), (1, 4), 2), torch.tensor([[1.0, -2.0, -1.0, 0.0]]))
+    assert torch.equal(hf.dequantize_int_packed(word, torch.tensor([[1.0, 0.5]]), (1, 4), 2, 2), torch.tensor([[1.0, -2.0, -0.5, 0.0]]))
+    with pytest.raises(ValueError, match=r"^checkpoint: a packed 2-bit weight of shape \(1, 4\) needs int32 codes of shape \(1, 1\) and scales of "
+                                         r"shape \(1, 1\), got torch.int64 \(1, 1\) and \(1, 1\)$"):
+        hf.dequantize_int_packed(word.long(), torch.tensor([[1.0]]), (1, 4), 2)
+
+
+def test_a_hugging_face_folder_is_one_whose_config_names_a_model_type(tmp_path):
+    assert not hf.is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden": 32, "n_layers": 2}))  # an fmoe run's
+    assert not hf.is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert hf.is_hf_folder(tmp_path)
+
+
+def test_an_expert_of_another_shape_than_the_others_is_named(folders, tmp_path):
+    path, _ = folders["mixtral"]
+    tensors = _read_all(path)
+    key = next(k for k in tensors if ".experts.1." in k and k.endswith("w1.weight"))
+    bad = _copy_folder(path, tmp_path / "bad", {**tensors, key: torch.zeros(25, 32)})
+    with pytest.raises(ValueError, match=rf"^checkpoint: {re.escape(key)} has shape \(32, 25\) \(as \[in, out\]\), its other experts \(32, 24\)$"):
+        hf.from_pretrained(bad)
+
+
+def test_embedding_keys_whose_rows_do_not_join_are_named(tmp_path):
+    _molmo2(tmp_path / "written", 8)
+    tensors = _read_all(tmp_path / "written")
+    bad = _copy_folder(tmp_path / "written", tmp_path / "bad", {**tensors, "model.transformer.wte.new_embedding": torch.zeros(8, 31)})
+    with pytest.raises(ValueError, match=r"^checkpoint: model.transformer.wte.embedding and model.transformer.wte.new_embedding have shapes "
+                                         r"\[\(36, 32\), \(8, 31\)\], whose rows do not join$"):
+        hf.from_pretrained(bad)
+
+
+@pytest.mark.parametrize("option, said", [(dict(abs_positions=128), "abs_positions, learned absolute positions, which"),
+                                          (dict(embed_norm=True), "embed_norm with weights, a norm of the embeddings which")],
+                         ids=["abs_positions", "embed_norm"])
+def test_an_option_whose_weights_the_family_s_folders_have_no_key_for_is_named(option, said, folders):
+    with pytest.raises(ValueError, match=rf"^model: {said} this family's checkpoints do not hold$"):
+        hf.from_pretrained(folders["llama"][0], **option)
+
+
+def test_load_weights_returns_the_bytes_it_read(folders, tmp_path):
+    """A float32 folder: every tensor's bytes; compressed-tensors' int4: the int32 codes' and
+    the scales' (weight_shape, read for the shape, not counted)."""
+    path, _ = folders["deepseek_v3"]
+    model, _ = hf.from_pretrained(path)
+    assert hf.load_weights(model, path, model_type="deepseek_v3") == sum(t.numel() * 4 for t in _read_all(path).values())
+    quantised, _ = _int4_experts(_read_all(path))
+    int4 = _copy_folder(path, tmp_path / "int4", quantised, lambda c: c.update(quantization_config=_INT4))
+    read = sum(t.numel() * t.element_size() for k, t in quantised.items() if not k.endswith("_shape"))
+    assert hf.load_weights(model, int4, model_type="deepseek_v3") == read
+
+
+def test_each_mtp_layer_s_copies_are_of_the_embedding_and_the_head_it_uses(folders):
+    """DeepSeek-V3's MTP layer n_layers + d - 1 holds copies of the embedding and of the head:
+    the embedding's where the head is tied to it; with final_norm (the export) and MTP modules
+    on the final norm, its shared_head.norm too."""
+    _, cfg = hf.read_config(folders["deepseek_v3"][0])
+    family, p = hf.FAMILIES["deepseek_v3"], f"model.layers.{cfg.n_layers}."
+    untied = dataclasses.replace(cfg, mtp_depth=1, mtp_norm=False)
+    assert hf.mtp_copies(family, untied) == {p + "embed_tokens.weight": "embed", p + "shared_head.head.weight": "head"}
+    assert hf.mtp_copies(family, dataclasses.replace(untied, tie_embeddings=True)) == {p + "embed_tokens.weight": "embed",
+                                                                                        p + "shared_head.head.weight": "embed"}
+    assert hf.mtp_copies(family, untied, final_norm=True)[p + "shared_head.norm.weight"] == "norm.weight"
+    assert hf.mtp_copies(family, dataclasses.replace(untied, mtp_norm=True), final_norm=True) == hf.mtp_copies(family, untied)
+
+
+def test_only_deepseek_v3_s_layout_maps_mtp_depths_onto_the_layers_after_the_trunk_s(folders):
+    """MTP depth d is the layer n_layers + d - 1 in DeepSeek-V3's layout; a family whose folders
+    hold no MTP layers maps none (its MTP modules start fresh and are not written)."""
+    _, ds = hf.read_config(folders["deepseek_v3"][0])
+    keys = hf.key_map(hf.FAMILIES["deepseek_v3"], dataclasses.replace(ds, mtp_depth=2))
+    p = f"model.layers.{ds.n_layers + 1}."
+    assert keys["mtp.1.proj"] == hf.Tensor((p + "eh_proj.weight",), transpose=True)
+    assert keys["mtp.1.emb_norm.weight"] == hf.Tensor((p + "enorm.weight",)) and keys["mtp.1.hidden_norm.weight"] == hf.Tensor((p + "hnorm.weight",))
+    _, llama = hf.read_config(folders["llama"][0])
+    assert not [name for name in hf.key_map(hf.FAMILIES["llama"], dataclasses.replace(llama, mtp_depth=1)) if name.startswith("mtp.")]
+
+
+def test_stored_unit_dims_are_put_back_and_a_row_read_from_several_is_not_written():
+    assert hf._with_units(hf.Tensor(("k",), unit=(3, 0, 1)), torch.zeros(4)).shape == (1, 1, 4, 1)
+    assert hf._with_units(hf.Tensor(("k",), unit=0), torch.zeros(4, 2)).shape == (1, 4, 2)
+    with pytest.raises(ValueError, match=r"^model: k holds other rows than the one read \(Tensor.row\), so it is not written$"):
+        hf._with_units(hf.Tensor(("k", "l"), row=0), torch.zeros(4))
 
 
 def test_packed_int_weights_dequantise_as_worked_by_hand():
@@ -5721,6 +5906,170 @@ def test_a_bfloat16_folder_is_written_back_with_the_dtypes_it_stored(tmp_path):
     hf.from_pretrained(tmp_path / "minimax", impl="torch")
 
 
+def test_a_shard_takes_tensors_up_to_max_shard_bytes_and_a_larger_tensor_is_a_shard_alone(tmp_path):
+    """A shard holds tensors while their bytes stay within the limit (reaching it exactly
+    included); a tensor over the limit is a shard of its own, first tensor included (no
+    empty shard before it); the index maps every key, sorted, and totals their bytes."""
+    from safetensors import safe_open
+
+    writer = hf._ShardWriter(tmp_path, 32)
+    for key, n in (("z", 20), ("b", 4), ("a", 4), ("c", 1)):  # float32: 80, 16, 16 (32 together: the limit), 4 bytes
+        writer.add(key, torch.full((n,), float(n)))
+    writer.close("{}\n")
+    names = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", *names, "model.safetensors.index.json"]
+    held = []
+    for name in names:
+        with safe_open(tmp_path / name, "pt") as f:
+            held.append({key: f.get_tensor(key).tolist() for key in f.keys()})
+    assert held == [{"z": [20.0] * 20}, {"a": [4.0] * 4, "b": [4.0] * 4}, {"c": [1.0]}]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 116}, "weight_map": {"a": names[1], "b": names[1], "c": names[2], "z": names[0]}}
+    assert list(index["weight_map"]) == ["a", "b", "c", "z"]
+
+
+def test_an_export_under_a_limit_below_every_tensor_writes_one_shard_per_tensor_readable_as_config_json(tmp_path):
+    """max_shard_bytes=1: each tensor a shard of its own, named in the index (indented as
+    transformers writes it, keys sorted) with the tensors' total bytes; config.json's keys
+    sorted as transformers writes them; every file gets the mode a new file gets under the
+    process's umask (0o027: 0o640), config.json's, where safetensors alone writes 0o600."""
+    from safetensors import safe_open
+
+    cfg = TransformerConfig(vocab_size=V, hidden=32, n_layers=1, n_dense=1, ffn_dense=48, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=0)
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=0)
+    whole = _read_all(hf.save_pretrained(model, tmp_path / "one", model_type="llama"))
+    mask = os.umask(0o027)
+    try:
+        out = hf.save_pretrained(model, tmp_path / "out", model_type="llama", max_shard_bytes=1)
+    finally:
+        os.umask(mask)
+    n = len(whole)
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(f.name for f in out.iterdir()) == sorted(["config.json", "model.safetensors.index.json", *names])
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == dict.fromkeys(["config.json", "model.safetensors.index.json", *names], 0o640)
+    assert (out / "config.json").read_text() == json.dumps(hf.hf_config(cfg, "llama"), indent=2, sort_keys=True) + "\n"
+    text = (out / "model.safetensors.index.json").read_text()
+    index = json.loads(text)
+    assert text == json.dumps(index, indent=2) + "\n" and list(index["weight_map"]) == sorted(whole)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    for name in names:
+        with safe_open(out / name, "pt") as f:
+            (key,) = f.keys()
+            assert index["weight_map"][key] == name and torch.equal(f.get_tensor(key), whole[key])
+
+
+@pytest.mark.parametrize("change", [dict(capacity_factor=1.25, capacity_policy="position"), dict(init_std=0.5), dict(yarn_truncate=False),
+                                    dict(yarn_original_max_positions=7), dict(llama3_low_freq_factor=2.0), dict(llama3_high_freq_factor=8.0),
+                                    dict(llama3_original_max_positions=7), dict(impl="triton", ac="full")])
+def test_config_mismatch_ignores_what_leaves_the_model_as_the_config_json_s(change):
+    """Training knobs (the capacity drop and its policy, init_std, impl, ac) and the knobs of a
+    RoPE scaling the model does not use (YaRN's, Llama 3.1's without their factor) are no
+    mismatch: the model is the config.json's."""
+    cfg = _family_config("qwen3_moe")
+    assert hf.config_mismatch(dataclasses.replace(cfg, **change), hf.hf_config(cfg, "qwen3_moe")) == {}
+
+
+@pytest.mark.parametrize("model,change,config,want", [
+    ("qwen3_moe", dict(moe_layers=(1,)), "qwen3_moe", {"MoE layers": ([False, True, False], [True, True, True])}),
+    ("qwen3_moe", dict(n_shared=1), "qwen3_moe", {"shared_size": (24, 0)}),
+    ("qwen3_moe", dict(mtp_depth=1, mtp_norm=True), "qwen3_moe", {"mtp_depth": (1, 0), "mtp_norm": (True, False)}),
+    ("llama", {}, "qwen3_moe", {"n_experts": (1, 4), "k": (1, 2), "ffn_expert": (40, 24), "qkv_bias": (True, False), "qk_norm": (None, "head"),
+                                "o_bias": (True, False), "mlp_bias": (True, False), "MoE layers": ([False] * 3, [True] * 3)}),
+    ("llama", dict(n_dense=0, n_experts=4, k=2, ffn_expert=24, n_shared=1), "llama",
+     {"n_experts": (4, 1), "k": (2, 1), "ffn_expert": (24, 40), "MoE layers": ([True] * 3, [False] * 3), "shared_size": (24, 0)}),
+])
+def test_config_mismatch_names_each_field_the_config_json_reads_otherwise(model, change, config, want):
+    """{field: (the model's, the config.json's)}: the MoE layers, the shared experts' size, an
+    MTP module (and its norm) of a family without one; a dense model against a MoE config
+    names the MoE fields too, a MoE model against a dense one its shared experts."""
+    cfg = dataclasses.replace(_family_config(model), **change)
+    assert hf.config_mismatch(cfg, hf.hf_config(_family_config(config), config)) == want
+
+
+@pytest.mark.parametrize("family,change,model_type,message", [
+    ("qwen3_moe", dict(capacity_factor=1.25), "qwen3_moe", "model: its config has no qwen3_moe equivalent: {'capacity_factor': (1.25, None)}"),
+    ("qwen3_moe", {}, "bert", "model_type: expected one of mixtral, "),
+    ("qwen3_moe", {}, "llama", "model: llama is a dense family; this model has MoE layers [0, 1, 2]"),
+    ("deepseek_v3", dict(n_shared=0, shared_ffn=24), "deepseek_v3", "model: shared experts of 24 are not a whole number of experts of 16"),
+])
+def test_hf_config_refuses_a_model_its_family_cannot_hold_by_name(family, change, model_type, message):
+    """A capacity drop (no family has one), an unknown model_type, MoE layers written as a
+    dense family, shared experts that are no whole number of routed experts: refused, named."""
+    cfg = dataclasses.replace(_family_config(family), **change)
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        hf.hf_config(cfg, model_type)
+
+
+def test_a_deepseek_style_config_without_expert_groups_writes_one_group():
+    """DeepSeek-V3's routing without groups is written as one group of which one is kept
+    (n_group = topk_group = 1), the fields transformers' router computes with, not None."""
+    cfg = _family_config("deepseek_v3")
+    written = hf.hf_config(dataclasses.replace(cfg, n_groups=None, topk_groups=None, group_score_topk=None), "deepseek_v3")
+    assert (written["n_group"], written["topk_group"], written["n_shared_experts"]) == (1, 1, 1)
+
+
+def test_a_loaded_folder_read_with_an_mtp_module_its_family_does_not_store_writes_back_unchanged(tmp_path):
+    """A Llama folder read with an MTP module of its own norm (mtp_depth=1, mtp_norm=True; Llama
+    stores none) is still the folder's model: it writes back byte for byte, the module left out."""
+    cfg = TransformerConfig(vocab_size=V, hidden=32, n_layers=1, n_dense=1, ffn_dense=48, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=0)
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=0)
+    hf.save_pretrained(model, tmp_path / "llama", model_type="llama")
+    with_mtp, read = hf.from_pretrained(tmp_path / "llama", impl="torch", mtp_depth=1, mtp_norm=True)
+    assert (read.mtp_depth, read.mtp_norm) == (1, True)
+    hf.save_pretrained(with_mtp, tmp_path / "again")
+    for file in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(tmp_path / "llama" / file, tmp_path / "again" / file, shallow=False), file
+
+
+def test_a_loaded_folder_written_as_another_family_is_a_fresh_export(tmp_path):
+    """A DeepSeek-V3 folder that stores its correction biases in bfloat16 writes them back so,
+    but written as kimi_k2 (a config of the model's own) the folder's dtypes no longer
+    apply: the biases float32, as a fresh export writes them."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = _family_config("deepseek_v3")
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=0)
+    folder = hf.save_pretrained(model, tmp_path / "v3", model_type="deepseek_v3")
+    stored = load_file(folder / "model.safetensors")
+    biases = [k for k in stored if k.endswith("e_score_correction_bias")]
+    save_file({k: v.to(torch.bfloat16) if k in biases else v for k, v in stored.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded, _ = hf.from_pretrained(folder, impl="torch")
+    for model_type, dtype in ((None, torch.bfloat16), ("kimi_k2", torch.float32)):
+        out = hf.save_pretrained(loaded, tmp_path / str(model_type), model_type=model_type)
+        written = load_file(out / "model.safetensors")
+        assert biases and {written[k].dtype for k in biases} == {dtype}, model_type
+        assert json.loads((out / "config.json").read_text())["model_type"] == (model_type or "deepseek_v3")
+
+
+def test_the_zero_experts_unused_rows_are_written_in_the_checkpoint_s_dtype(tmp_path):
+    """LongCat-Flash's zero-computation experts' unused rows (zeros) are written in the
+    config's dtype, bfloat16 here, as every other weight (the correction bias: float32)."""
+    from safetensors.torch import load_file
+
+    cfg = _family_config("longcat_flash")
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=0)
+    model.hf_config = dict(hf.hf_config(cfg, "longcat_flash"), dtype="bfloat16")
+    stored = load_file(hf.save_pretrained(model, tmp_path / "out") / "model.safetensors")
+    zero_rows = hf.zero_expert_keys(hf.FAMILIES["longcat_flash"], cfg)
+    assert zero_rows and all(torch.equal(stored[k], torch.zeros(shape, dtype=torch.bfloat16)) for k, shape in zero_rows.items())
+    assert {k for k, v in stored.items() if v.dtype != torch.bfloat16} == {k for k in stored if k.endswith("e_score_correction_bias")}
+
+
+def test_a_llama4_config_is_written_as_its_text_model_s_class():
+    """written_config of a released llama4 folder's config: its text config as llama4_text,
+    under Llama4ForCausalLM (not the whole model's Llama4ForConditionalGeneration, which a
+    server would build from architectures)."""
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, vision_output_dim=16, image_size=28,
+                  patch_size=14, projector_input_dim=16, projector_output_dim=16)
+    config = transformers.Llama4Config(text_config=FAMILIES["llama4_text"]().to_dict(), vision_config=vision).to_dict()
+    written = hf.written_config(dict(config, architectures=["Llama4ForConditionalGeneration"]))
+    assert (written["model_type"], written["architectures"], written["hidden_size"]) == ("llama4_text", ["Llama4ForCausalLM"], 32)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_a_folder_cast_to_bfloat16_writes_its_correction_bias_back_as_stored(family, tmp_path):
     """A folder of a model cast whole to bfloat16 (model.to(torch.bfloat16).save_pretrained:
@@ -5757,7 +6106,7 @@ def test_an_export_in_bfloat16_writes_the_correction_bias_in_float32(family, tmp
     about 1e-3, the size of the gaps between experts' scores); the weights bfloat16."""
     from safetensors.torch import load_file
 
-    cfg = TransformerConfig(**hf.FAMILIES[family].kwargs(FAMILIES[family]().to_dict()))
+    cfg = _family_config(family)
     model = hf.Transformer(cfg)
     model.reset_parameters(seed=0)
     biases = {}
@@ -5808,10 +6157,16 @@ def test_config_dtype_names_a_bad_dtype_field():
 def test_a_safetensors_index_names_files_of_its_folder_only(tmp_path):
     """A weight_map that names a file elsewhere (../other/model.safetensors, an absolute
     path) read weights from anywhere on this machine: refused by name, as is an index that
-    is no JSON object of a weight_map (a raw RecursionError or KeyError before)."""
+    is no JSON object of a weight_map (a raw RecursionError or KeyError before); a folder
+    of neither weight file is named too."""
     from fmoe.hf import _weight_files
 
+    with pytest.raises(FileNotFoundError, match=r"^path: '.*' has no model.safetensors or model.safetensors.index.json$"):
+        _weight_files(tmp_path)
     index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    with pytest.raises(ValueError, match=r"^path: '.*model.safetensors.index.json': weight_map is a list, expected an object of names to files$"):
+        _weight_files(tmp_path)
     for bad in ("../other/model.safetensors", "/tmp/x.safetensors", "..", 3):
         index.write_text(json.dumps({"weight_map": {"a.weight": "model-1.safetensors", "b.weight": bad}}))
         with pytest.raises(ValueError, match=r"names weight files that are not files of the folder: \[" + re.escape(repr(bad))):
