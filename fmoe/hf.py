@@ -314,10 +314,11 @@ def _rope(hf: dict) -> dict:
 
 
 def _original_max_positions(hf: dict, params: dict) -> int:
-    """The context a scaled RoPE (llama3, yarn) was pretrained over, as transformers reads it:
-    a top-level original_max_position_embeddings, else rope_parameters', else
-    max_position_embeddings."""
-    positions = _get(hf, "original_max_position_embeddings", default=params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    """The context a scaled RoPE (llama3, yarn) was pretrained over, as transformers reads it
+    for the Llama-like families: rope_parameters' original_max_position_embeddings, else
+    max_position_embeddings (a top-level original_max_position_embeddings is not read; Phi-3's
+    LongRoPE reads it first: _longrope)."""
+    positions = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
     if positions is None:
         raise ValueError(f"config.json: rope_parameters of rope type {params.get('rope_type', params.get('type'))!r} lack "
                          "original_max_position_embeddings (nor is max_position_embeddings set)")

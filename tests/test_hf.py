@@ -1331,6 +1331,9 @@ def test_scaled_rope_without_original_max_position_embeddings_reads_max_position
     with torch.no_grad():
         theirs = _their_logits(ref, docs)
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        # a top-level original_max_position_embeddings (Phi-3's place) is not read by Llama's config: nor by fmoe's
+        top = _edit(folder, tmp_path / "top", lambda c: c.update(original_max_position_embeddings=16))
+        assert _rel(hf.from_pretrained(top, impl="torch")[0].logits(ids, cu), theirs) < 1e-5
         plain, _ = hf.from_pretrained(folder, impl="torch", **{"yarn_factor" if rope is YARN else "llama3_factor": None})  # the scaling matters here
         assert _rel(plain.logits(ids, cu), theirs) > 1e-3
     with pytest.raises(ValueError, match=r"config.json: rope type 'dynamic' is not supported for llama \(plain RoPE, llama3 or yarn\)"):
