@@ -1161,6 +1161,107 @@ def test_a_config_fmoe_refuses_names_the_config_json_field(field, value, names, 
         hf.from_pretrained(tmp_path / "bad")
 
 
+_LLAMA = dict(model_type="llama", vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+              max_position_embeddings=128)
+_QWEN_MOE = dict(_LLAMA, model_type="qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+_GPT_OSS = dict(_LLAMA, model_type="gpt_oss", head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+_DEEPSEEK = dict(_LLAMA, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                 qk_nope_head_dim=6, qk_rope_head_dim=4, kv_lora_rank=8, v_head_dim=5, q_lora_rank=12, first_k_dense_replace=1, n_group=1,
+                 routed_scaling_factor=1.0)
+_PHI3_LONGROPE = dict(type="longrope", short_factor=[1.0, 1.05, 1.1, 1.2], long_factor=[1.0, 4.0, 16.0, 20.0])
+_YARN4 = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)
+
+
+def _read_config_json(tmp_path, config):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return hf.read_config(tmp_path)[1]
+
+
+@pytest.mark.parametrize("config, fields", [
+    (_LLAMA, dict(n_kv_heads=2, head_dim=8, norm_eps=1e-6, tie_embeddings=False, qkv_bias=False, o_bias=False, window=None, rope_base=10000.0)),
+    ({k: v for k, v in _LLAMA.items() if k != "num_key_value_heads"}, dict(n_kv_heads=4)),
+    (dict(_LLAMA, head_dim=16, num_key_value_heads=None), dict(head_dim=16, n_kv_heads=4)),
+    (dict(_LLAMA, attention_bias=True), dict(qkv_bias=True, o_bias=True)),
+    (dict(_LLAMA, rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=2.0, high_freq_factor=3.0,
+                                       original_max_position_embeddings=16)),
+     dict(llama3_factor=8.0, llama3_low_freq_factor=2.0, llama3_high_freq_factor=3.0, llama3_original_max_positions=16)),
+    (dict(_LLAMA, rope_parameters=_YARN4),
+     dict(yarn_factor=4.0, yarn_original_max_positions=16, yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
+          yarn_truncate=True)),
+    (dict(_LLAMA, rope_parameters=dict(_YARN4, mscale=0.5, mscale_all_dim=0.5, beta_fast=16.0, truncate=False)),
+     dict(yarn_mscale=0.0, yarn_mscale_all_dim=0.0, yarn_beta_fast=16.0, yarn_truncate=False)),
+    (dict(_LLAMA, model_type="mistral", sliding_window=4), dict(window=4, window_layers=None)),
+    (dict(_LLAMA, model_type="qwen2", sliding_window=4), dict(window=None, qkv_bias=True, o_bias=False)),
+    (dict(_LLAMA, model_type="qwen2", sliding_window=4, use_sliding_window=True, max_window_layers=1), dict(window=4, window_layers=(1, 2))),
+    (dict(_LLAMA, model_type="qwen2", num_hidden_layers=30, sliding_window=4, use_sliding_window=True), dict(window=4, window_layers=(28, 29))),
+    (dict(_QWEN_MOE, sliding_window=4, use_sliding_window=False), dict(window=None, pre_softmax=True)),
+    (dict(_QWEN_MOE, sliding_window=4, use_sliding_window=True, norm_topk_prob=True), dict(window=4, window_layers=None, pre_softmax=False)),
+    (dict({k: v for k, v in _QWEN_MOE.items() if k != "num_experts"}, num_local_experts=4), dict(n_experts=4)),
+    (dict(_QWEN_MOE, model_type="qwen2_moe", shared_expert_intermediate_size=24), dict(shared_ffn=24, shared_gate=True, qkv_bias=True, pre_softmax=True)),
+    (dict(_QWEN_MOE, model_type="qwen2_moe", shared_expert_intermediate_size=0, qkv_bias=False), dict(shared_ffn=0, shared_gate=False, qkv_bias=False)),
+    (dict(_QWEN_MOE, model_type="mixtral", num_local_experts=4, sliding_window=4), dict(window=4, window_layers=None, n_experts=4)),
+    (dict(_GPT_OSS, rope_parameters=_YARN4),
+     dict(window=4, window_layers=(0, 2), swiglu_limit=7.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0, yarn_truncate=True, yarn_beta_fast=32.0)),
+    (_DEEPSEEK, dict(rope_interleaved=True, n_groups=None, topk_groups=None, group_score_topk=None, route_scale=None, n_shared=1, n_dense=1,
+                     route_normalize=True)),
+    (dict(_DEEPSEEK, n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=5, norm_topk_prob=False),
+     dict(n_groups=2, topk_groups=1, group_score_topk=2, route_scale=2.5, n_shared=1, n_dense=3, route_normalize=False)),
+    (dict(_DEEPSEEK, model_type="deepseek_v2", n_group=2, topk_group=1, topk_method="greedy"), dict(n_groups=None, topk_groups=None, pre_softmax=True)),
+    (dict(_LLAMA, model_type="phi3", max_position_embeddings=131072, original_max_position_embeddings=4096,
+          rope_scaling=dict(_PHI3_LONGROPE, factor=8.0, original_max_position_embeddings=2048)),
+     dict(longrope_original_max_positions=4096, longrope_short_scale=math.sqrt(1 + math.log(8.0) / math.log(4096)))),
+    (dict(model_type="dbrx", vocab_size=V, d_model=32, n_heads=4, n_layers=2, rope_theta=2e5, attn_config=dict(kv_n_heads=2, rope_theta=5e5),
+          ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)), dict(rope_base=2e5, n_kv_heads=2, k=2)),
+    (dict(_QWEN_MOE, model_type="phimoe", num_local_experts=4, router_jitter_noise=0.0), dict(score="sparsemixer", sparsemixer_eps=0.0)),
+    (dict(_LLAMA, model_type="gemma2", head_dim=8, hidden_activation="gelu_pytorch_tanh", sliding_window=4, query_pre_attn_scalar=8),
+     dict(attn_scale=None, window_layers=(0, 2))),
+    (dict(_LLAMA, model_type="gemma2", head_dim=8, hidden_activation="gelu_pytorch_tanh", sliding_window=4, query_pre_attn_scalar=16), dict(attn_scale=0.25)),
+], ids=["llama", "llama-kv-heads-left-out", "llama-head-dim-kv-heads-null", "llama-attention-bias", "llama3",
+        "yarn", "yarn-mscale-pair", "mistral-window", "qwen2-window-off", "qwen2-max-window-layers", "qwen2-max-window-layers-28",
+        "qwen3-moe-window-off", "qwen3-moe-window-on", "qwen3-moe-num-local-experts", "qwen2-moe", "qwen2-moe-no-shared", "mixtral-window",
+        "gpt-oss", "deepseek-v3", "deepseek-v3-grouped", "deepseek-v2-greedy", "phi3-longrope", "dbrx-top-level-rope-theta", "phimoe-no-jitter",
+        "gemma2", "gemma2-query-pre-attn-scalar"])
+def test_config_json_fields_read_as_the_family_defines_them(config, fields, tmp_path):
+    """A config.json's fields, and the defaults of those it leaves out or sets to null, read
+    into the TransformerConfig the family defines."""
+    cfg = _read_config_json(tmp_path, config)
+    assert {name: getattr(cfg, name) for name in fields} == fields
+
+
+@pytest.mark.parametrize("config, said", [
+    (dict(_LLAMA, rope_parameters=dict(rope_type="dynamic", factor=2.0)), r"rope type 'dynamic' is not supported for llama \(plain RoPE, llama3 or yarn\)"),
+    (dict(_GPT_OSS, rope_parameters=dict(rope_type="linear", factor=2.0)), r"rope type 'linear' is not supported for gpt_oss \(plain RoPE or yarn\)"),
+    (dict({k: v for k, v in _LLAMA.items() if k != "max_position_embeddings"},
+          rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)),
+     r"rope_parameters of rope type 'llama3' lack original_max_position_embeddings \(nor is max_position_embeddings set\)"),
+    (dict(_LLAMA, rope_parameters=dict(_YARN4, mscale_all_dim=1.0)),
+     r"rope_parameters with mscale None and mscale_all_dim 1.0 are not supported for llama \(both equal, or neither\)"),
+    (dict(_GPT_OSS, rope_parameters=dict(_YARN4, mscale_all_dim=1.0)), r"rope_parameters.mscale_all_dim without mscale is not supported"),
+    (dict(_GPT_OSS, rope_parameters=dict(_YARN4, attention_factor=1.2)), r"attention_factor = 1.2 is not supported \(YaRN's own attention factor, "),
+    (dict(_GPT_OSS, num_local_experts=None), r"num_local_experts = None is not supported \(a positive number of experts\)"),
+    (dict(_LLAMA, hidden_act="gelu"), r"hidden_act = 'gelu' is not supported \(SwiGLU with silu only\)"),
+    (dict(_LLAMA, mlp_bias="yes"), r"mlp_bias = 'yes' is not supported \(true or false\)"),
+    (dict(_LLAMA, pretraining_tp=2), r"pretraining_tp = 2 is not supported \(a plain matmul: pretraining_tp = 1\)"),
+    (dict(_LLAMA, model_type="mistral", mlp_bias=True), r"mlp_bias = True is not supported \(no MLP biases\)"),
+    (dict(_LLAMA, model_type="qwen3", attention_bias=True), r"attention_bias = True is not supported \(no attention biases in Qwen3's attention here\)"),
+    (dict(_QWEN_MOE, model_type="qwen2_moe", layer_types=["full_attention"] * 2),
+     r"layer_types = \['full_attention', 'full_attention'\] is not supported \(one of full_attention / sliding_attention per layer\)"),
+    (dict(_QWEN_MOE, model_type="qwen2_moe", layer_types=["sliding_attention"] * 3, sliding_window=0),
+     r"sliding_window = 0 is not supported \(a positive width for the sliding layers\)"),
+    (dict(_DEEPSEEK, attention_bias=True), r"attention_bias = True is not supported \(no attention biases in multi-latent attention here\)"),
+    (dict(_DEEPSEEK, num_experts_per_tok=1), r"num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises a single sigmoid"),
+    (dict(_QWEN_MOE, model_type="olmoe", clip_qkv=8.0), r"clip_qkv = 8.0 is not supported \(OLMoE clamps q and k after their norms"),
+    (dict(_LLAMA, intermediate_size="40"), r"intermediate_size = '40', expected a positive int$"),
+], ids=["llama-dynamic-rope", "gpt-oss-linear-rope", "llama3-without-positions", "yarn-lone-mscale-all-dim", "gpt-oss-lone-mscale-all-dim",
+        "yarn-attention-factor", "gpt-oss-null-experts", "hidden-act", "mlp-bias-not-bool", "pretraining-tp", "mistral-mlp-bias", "qwen3-attention-bias",
+        "layer-types-length", "window-zero", "mla-attention-bias", "sigmoid-k1-renormalised", "olmoe-clip-qkv", "size-str"])
+def test_config_json_values_fmoe_does_not_build_are_refused_by_name(config, said, tmp_path):
+    """A config.json value the family's model is not built with (a RoPE type, a bias, a window,
+    a renormalised single sigmoid, a size of the wrong kind) is refused naming the field."""
+    with pytest.raises(ValueError, match=r"^config\.json: " + said):
+        _read_config_json(tmp_path, config)
+
+
 def test_a_refused_value_of_a_field_the_file_lacks_keeps_fmoe_s_name(folders, tmp_path):
     """DBRX keeps its experts per token in ffn_config.moe_top_k, not num_experts_per_tok: the
     refusal names fmoe's k rather than a field the file does not have."""
