@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import generate  # noqa: E402
 
 import fmoe  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
+from fmoe.train.data import EOS, decode_text  # noqa: E402
 from tests.sessions import run_in_session  # noqa: E402
 
 
@@ -320,6 +322,12 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     (dict(seed=2**64), r"seed: expected an int in \[0, 2\*\*32\) .*, got 18446744073709551616"),
     (dict(seed=-1), r"seed: expected an int in \[0, 2\*\*32\) .*, got -1"),
     (dict(seed=1.5), r"seed: expected an int in \[0, 2\*\*32\) .*, got 1.5"),
+    (dict(top_p=1.5), r"top_p: expected a number in \(0, 1\], got 1.5"),  # above 1: as 1
+    (dict(top_p=True), r"top_p: expected a number in \(0, 1\], got True"),
+    (dict(temperature=True), r"temperature: expected a finite number >= 0 \(0: greedy\), got True"),
+    (dict(top_k=True), r"top_k: expected an int >= 0 \(0: every token\), got True"),
+    (dict(tokens=True), r"tokens: expected an int >= 0 \(new tokens\), got True"),
+    (dict(seed=True), r"seed: expected an int in \[0, 2\*\*32\) .*, got True"),
 ])
 def test_bad_sampling_knobs(run_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -388,6 +396,10 @@ def test_a_kv_cache_larger_than_the_free_memory_is_refused_before_it_is_made(run
     said = r"^tokens: the KV cache of 2 sequence\(s\) of up to 1000000000004 tokens \(the prompt and the new tokens\) takes [0-9.]+ GiB, "
     need = model.kv_cache(10**12 + 4, 2, device="meta").nbytes
     assert need > 10**12 and model.kv_cache(8, 2, device="meta").k.device.type == "meta"
+    meminfo = pathlib.Path("/proc/meminfo")
+    if meminfo.is_file():  # MemAvailable is in kB
+        kb = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+        assert 0.5 < generate._free_bytes(torch.device("cpu")) / (kb * 1024) < 2
     if generate._free_bytes(torch.device("cpu")) is not None:
         with pytest.raises(ValueError, match=said + r"more than the [0-9.]+ GiB free on cpu: ask for fewer tokens$"):
             generate.generate_many(model, [prompt, prompt], tokens=10**12)
@@ -469,8 +481,6 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
 def test_a_prompt_is_encoded_whole_whatever_the_tokenizer_json_says(tmp_path):
     """A tokenizer.json saved with truncation and padding on would cut a long prompt and pad a
     short one; text_codec's encode gives every id of the text, and nothing else."""
-    from types import SimpleNamespace
-
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(10)} | {"[UNK]": 10}, unk_token="[UNK]"))
@@ -485,8 +495,6 @@ def test_a_prompt_is_encoded_whole_whatever_the_tokenizer_json_says(tmp_path):
 def test_a_tokenizer_without_the_tokenizers_package_names_the_extra(tmp_path, monkeypatch):
     """A folder's tokenizer.json where `tokenizers` is not installed: an ImportError naming
     the file and the extra that brings it (a bare ModuleNotFoundError before)."""
-    from types import SimpleNamespace
-
     (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r"tokenizer.json: the model's tokenizer is read with the Hugging Face tokenizers package: "
@@ -563,7 +571,6 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
         assert bad.returncode != 0 and re.search(message, bad.stderr), bad.stderr[-2000:]
 
 
-
 def test_tokenizer_replaces_a_token_file_run_s_only(run_dir, tmp_path):
     """with_tokenizer (--tokenizer): a run on prepared token files takes the named file in
     place of the one its data's index names (another machine's path); a byte run and an
@@ -585,6 +592,7 @@ def test_tokenizer_replaces_a_token_file_run_s_only(run_dir, tmp_path):
     assert generate.named_tokenizer(generate.with_tokenizer(token_run, tmp_path / "bad.json")) == (
         None, f"--tokenizer: {str(tmp_path / 'bad.json')!r} is not a tokenizer.json")
     assert generate._said(ValueError("--tokenizer: x")) == "--tokenizer: x"
+    assert generate._said(ValueError("path: x")) == "path: x" and generate._said(OSError("x")) == "path: x"
 
 
 def test_command_knobs_leave_out_the_paths_and_compare_the_device_by_its_type():
@@ -595,3 +603,88 @@ def test_command_knobs_leave_out_the_paths_and_compare_the_device_by_its_type():
     args = argparse.Namespace(path=pathlib.Path("/node1/run"), tokenizer=None, device="cuda:1", tokens=12, dtype="bfloat16")
     assert generate.command_knobs(args, ("path", "tokenizer")) == {"device": "cuda", "tokens": 12, "dtype": "bfloat16"}
     assert generate.command_knobs(argparse.Namespace(path="p", device="cpu"), ("path",)) == {"device": "cpu"}
+
+
+def test_the_command_line_draws_with_its_knobs_and_stops_at_the_run_s_end(run_dir, capsys):
+    """main: --seed, --top_p and --temperature reach the draws, and a byte run's continuation
+    stops at its end of document (EOS) and prints the ids after the prompt; an empty --prompt
+    starts from EOS; only rank 0 says which checkpoint it read."""
+    out, model = run_dir
+    prompt, args = [100, 101, 102, 32], dict(tokens=8, temperature=3.0, top_p=0.8)
+    seed = next(s for s in range(1, 2000) if EOS in generate.generate(model, prompt, seed=s, **args)[len(prompt):-1])
+    want = generate.generate(model, prompt, seed=seed, eos=EOS, **args)
+    assert want[-1] == EOS and len(want) < len(prompt) + 8
+    generate.main([str(out), "--prompt_ids=100,101,102,32", "--tokens=8", "--temperature=3.0", "--top_p=0.8", f"--seed={seed}"])
+    printed = capsys.readouterr()
+    assert printed.out == ",".join(map(str, want[len(prompt):])) + "\n" and printed.err == f"weights: {out / 'step_000001'}\n"
+    generate.main([str(out), "--prompt=", "--tokens=3"])
+    assert capsys.readouterr().out == decode_text(generate.generate(model, [EOS], tokens=3)) + "\n"
+    generate.say_read({"checkpoint": "c"}, rank=1)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chat_template=t.jinja"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
+    (["--chat_template_kwargs={}"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
+    (["--device=meta"], "--device: expected cpu, cuda or cuda:N, got 'meta'"),
+])
+def test_the_command_line_refuses_before_loading(args, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        generate.main([str(tmp_path / "nowhere"), *args])
+
+
+def test_stop_ids_tokenizers_and_byte_runs_as_their_files_say(tmp_path):
+    """An HF folder with a generation_config.json stops at its ids alone (not also at
+    config.json's); a tokenizer.json is a JSON object whose "model" is an object; a run
+    from before byte_tokens speaks bytes where its --data was a directory; --separator=-1
+    (none) leaves a --tokenizer run without a separator; a token-file run's prompt is
+    encoded without the tokenizer's post-processing (its BOS), an HF folder's with it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    assert generate.stop_ids(tmp_path, {}, 7) == [5, 6]
+    (tmp_path / "m.json").write_text('{"model": "WordLevel"}')
+    assert not generate._is_tokenizer_json(tmp_path / "m.json")
+    assert generate._byte_run({"config": {"data": str(tmp_path)}}) and not generate._byte_run({"config": {"data": str(tmp_path / "m.json")}})
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(10)} | {"[UNK]": 10, "[BOS]": 11}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 11)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    token_run = {"config": {"separator": -1}, "byte_tokens": False, "tokenizer": str(tmp_path / "tokenizer.json"),
+                 "data_sources": [{"path": str(tmp_path / "gone.u16")}]}
+    assert generate.named_tokenizer(token_run) == ((tmp_path / "tokenizer.json", None), "")
+    assert generate.named_tokenizer(dict(token_run, config={"separator": 3})) == ((tmp_path / "tokenizer.json", 3), "")
+    assert generate.text_codec(tmp_path, None, token_run)[0]("w1 w2") == [1, 2]
+    assert generate.text_codec(tmp_path, SimpleNamespace(hf_config={"eos_token_id": 7}), {})[0]("w1 w2") == [11, 1, 2]
+
+
+def test_load_model_casts_to_the_dtype_but_the_router(run_dir):
+    model, _ = generate.load_model(run_dir[0], dtype=torch.bfloat16)
+    assert model.embed.dtype == torch.bfloat16
+    assert {p.dtype for name, p in model.named_parameters() if name.endswith("router")} == {torch.float32}
+
+
+def test_chat_on_a_token_file_run_stops_at_the_template_s_end_of_turn(run_dir, tmp_path, capsys):
+    """--chat on a run on prepared token files: the prompt rendered by the template beside
+    the tokenizer its data's index names, and the continuation stops at the template's
+    eos_token (the end of a turn) as at the data's separator; the reply alone is printed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out, model = run_dir
+    free = generate.generate(model, [1, 2], tokens=6)
+    end = free[3]  # greedy's second new token: the end of the turn
+    assert end not in (1, 2, free[2]) and end < 256, free
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(258) if i != end} | {"<|im_end|>": end}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|im_end|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                                                                "eos_token": "<|im_end|>"}))
+    run = shutil.copytree(out, tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    config.update(byte_tokens=False, data_sources=[dict(name="d", weight=1.0, path=str(tmp_path / "gone.u16"),
+                                                        tokenizer=str(tmp_path / "tokenizer.json"), separator=257)])
+    (run / "config.json").write_text(json.dumps(config))
+    generate.main([str(run), "--chat", "--prompt=w1 w2", "--tokens=6"])
+    assert capsys.readouterr().out == tok.decode(free[2:4]) + "\n" == f"w{free[2]}\n"
