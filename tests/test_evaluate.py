@@ -6,6 +6,7 @@ numbers; bad knobs stop with a message."""
 import json
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -210,10 +211,10 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     got = json.loads(two.stdout.splitlines()[-1])
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"]
     # ids beyond the model's vocabulary are refused
-    small = transformers.Qwen3MoeConfig(**{**config.to_dict(), "vocab_size": 64})
+    small = transformers.Qwen3MoeConfig(**{**config.to_dict(), "vocab_size": 257})
     transformers.AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "small")
     refused = _cli(tmp_path / "small", f"--data={docs}")
-    assert refused.returncode != 0 and "the data's 258 token ids do not fit the model's vocab_size 64" in refused.stderr
+    assert refused.returncode != 0 and "the data's 258 token ids do not fit the model's vocab_size 257" in refused.stderr
 
 
 def test_nothing_counted_is_no_loss_and_a_left_out_source_is_named(run_dir, tmp_path):
@@ -245,6 +246,8 @@ def test_nothing_counted_is_no_loss_and_a_left_out_source_is_named(run_dir, tmp_
         [out, blend, "--split=all", "--batches=2", "--tokens_per_micro_batch=2", "--json"],  # one label each, none 2 ahead (MTP)
         [out, f"--data={small}", "--val_percent=100", "--split=val", "--batches=1", "--tokens_per_micro_batch=8"],
         [out, f"--data={tmp_path / 'nowhere'}"],
+        [out, f"--data={small}", "--split=all", "--batches=0", "--tokens_per_micro_batch=32", "--whole_documents", "--json"],
+        [out, f"--data=0.9:{small},0.1:{short}", "--split=all", "--batches=1", "--tokens_per_micro_batch=8", "--json"],
     ])
     assert cases[0]["status"] != 0 and ("--tokens_per_micro_batch, --batches: no token was counted in 56 micro-batch(es) of 1 tokens"
                                         in cases[0]["text"]), cases[0]
@@ -253,6 +256,16 @@ def test_nothing_counted_is_no_loss_and_a_left_out_source_is_named(run_dir, tmp_
     assert cases[2]["status"] == 0 and json.loads(cases[2]["out"])["mtp_losses"] == [None], cases[2]
     assert cases[3]["status"] == 0 and cases[3]["out"].startswith("small: 7 tokens, loss "), cases[3]  # was "no training documents ..."
     assert cases[4]["status"] != 0 and cases[4]["text"].startswith("data: source ") and "data: data:" not in cases[4]["text"], cases[4]
+    from fmoe.train.data import load_blend
+
+    whole = [evaluate.evaluate(model, *evaluate.data_batches(load_blend(str(small), vocab_size=258), split="all", val_percent=5, tokens=32,
+                                                               n_batches=0, mtp_depth=1, whole_documents=w), device=torch.device("cpu"))
+             for w in (True, False)]
+    assert cases[5]["status"] == 0, cases[5]
+    got = json.loads(cases[5]["out"])
+    assert (got["tokens"], got["micro_batches"]) == (whole[0]["tokens"], whole[0]["micro_batches"]) != (whole[1]["tokens"], whole[1]["micro_batches"])
+    assert got["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
+    assert cases[6]["status"] == 0 and "note: source 'short' is left out: its weight's share of the 1 --batches is none" in cases[6]["text"], cases[6]
 
 
 def test_a_source_without_a_counted_token_prints_no_loss(capsys):
@@ -290,6 +303,7 @@ def test_a_diverged_run_s_numbers_print_as_strict_json(capsys):
     assert got["by_source"]["b"]["loss"] == got["by_source"]["b"]["perplexity"] == "nan"  # a NaN loss's perplexity NaN, not inf
     evaluate.report(result, unit="token", as_json=False)
     assert capsys.readouterr().out.splitlines()[0] == "a: 3 tokens, loss 800.0000, perplexity inf, bits per token 1154.1560"
+    assert evaluate.with_rates(dict(loss=705.0, tokens=1), "token")["perplexity"] == math.exp(705.0) < math.inf
 
 
 def test_dtype_defaults_to_the_run_s_own(tmp_path):
@@ -335,6 +349,7 @@ BAD_KNOBS = [
     (["--tokenizer=t.json"], "--tokenizer: it encodes --choices' texts, which are not given (a loss on token data needs no tokenizer)"),
     (["--questions=3"], "--questions: counts the questions of --choices, which is not given"),
     (["--separator=-2"], "--separator: expected a token id >= 0, got -2"),
+    (["--separator=-1"], "--separator: expected a token id >= 0, got -1"),
     # no effect without a word before
     (["--delimiter= "], "--delimiter: goes between a context and each choice of --choices, which is not given (got ' ')"),
     (["--separator=5"], "--separator=5: applies to token files; this data is bytes (text files or the embedded corpus)"),
@@ -428,9 +443,14 @@ def test_choices_of_a_run_on_one_process_and_under_torchrun(run_dir, tmp_path):
     assert cut == 4  # the 20 bytes of "def f(x):\n    return" and any choice do not fit 16, nor "for i in " + "range(10):"
     assert result == dict(evaluate.score_choices(questions, logprobs), choices_cut=4)
     assert [len(lp) for lp in result["logprobs"]] == [2, 3, 2, 2]
-    text = _cli(out, f"--choices={path}", "--questions=2", "--tokens_per_micro_batch=64")
+    text = _cli(out, f"--choices={path}", "--questions=2", "--tokens_per_micro_batch=16")
     assert text.returncode == 0, text.stderr[-2000:]
-    assert text.stdout.startswith("q.jsonl: 2 questions, accuracy ") and "length-normalised accuracy" in text.stdout
+    first, first_cut = evaluate.choice_logprobs(model, [p for q in questions[:2] for p in zip(q["contexts"], q["choices"])], tokens=16,
+                                                device=torch.device("cpu"))
+    two = evaluate.score_choices(questions[:2], first)
+    assert first_cut == 3 and two["accuracy"] != two["accuracy_norm"], two
+    assert text.stdout == (f"q.jsonl: 2 questions, accuracy {two['accuracy']:.4f}, length-normalised accuracy {two['accuracy_norm']:.4f} "
+                           "(3 choices scored after a context cut to fit 16 tokens)\n"), text.stdout
     for knobs in ([], ["--tp=2", "--ep=2"]):
         two = _cli(out, f"--choices={path}", "--tokens_per_micro_batch=16", "--json", *knobs, ranks=2)
         assert two.returncode == 0, (knobs, two.stderr[-3000:])
@@ -491,6 +511,10 @@ BAD_CHOICES = [
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--split=all", "--val_percent=50"],
      "--choices: the questions are the data; --split, --val_percent do not apply"),
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--split=val"], "--choices: the questions are the data; --split does not apply"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--whole_documents"], "--choices: the questions are the data; --whole_documents does not apply"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--separator=3", "--data_dtype=uint16"],
+     "--choices: the questions are the data; --separator, --data_dtype do not apply"),
+    ([dict(context_ids=[1], choices_ids=[[258], [1]], answer=0)], [], "q.jsonl: token ids beyond the model's vocab_size 258"),
     ([dict(context="a", choices=["b" * 200, "c"], answer=0)], ["--tokens_per_micro_batch=128"],
      "--tokens_per_micro_batch: a continuation of 200 tokens needs more than 128"),
 ]
@@ -558,3 +582,89 @@ def test_a_context_and_its_choice_are_tokenized_together_as_lm_evaluation_harnes
     assert evaluate.pair_ids(encode, "batch", "") == ([0, 1], [])  # nothing to score: apart, then refused by read_choices
     byte = lambda text, special=True: list(text.encode())  # noqa: E731
     assert evaluate.pair_ids(byte, "import ", "os") == (list(b"import"), list(b" os"))
+
+
+def test_evaluate_sums_every_source_and_each_mtp_depth_over_its_own_tokens(run_dir):
+    """Batches of two sources, interleaved: each source's loss and tokens are its own batches'
+    sums, the overall loss every counted token's mean (not one source's), the tokens all of
+    them, each MTP depth's loss over that depth's own tokens."""
+    from fmoe.train.data import make_batch
+
+    model, _ = evaluate.load_model(run_dir[0])
+    a = make_batch(torch.arange(97, 109), torch.tensor([0, 12]), 1)
+    b = make_batch(torch.arange(100, 116), torch.tensor([0, 5, 16]), 1)
+    with torch.no_grad():
+        model.eval()
+        sums = {id(x): {k: float(v) for k, v in model(x, model.context(x))[0].items() if k.endswith(("sum", "tokens"))} for x in (a, b)}
+    got = evaluate.evaluate(model, [a, b, a], ["x", "y", "x"], device=torch.device("cpu"))
+    sa, sb = sums[id(a)], sums[id(b)]
+    assert list(got["by_source"]) == ["x", "y"] and got["micro_batches"] == 3
+    assert got["by_source"]["x"]["tokens"] == 2 * sa["lm_tokens"] == 22 and got["by_source"]["y"]["tokens"] == sb["lm_tokens"] == 14
+    assert got["tokens"] == 36
+    assert got["by_source"]["x"]["loss"] == pytest.approx(sa["lm_sum"] / sa["lm_tokens"], rel=1e-6)
+    assert got["by_source"]["y"]["loss"] == pytest.approx(sb["lm_sum"] / sb["lm_tokens"], rel=1e-6)
+    assert got["loss"] == pytest.approx((2 * sa["lm_sum"] + sb["lm_sum"]) / 36, rel=1e-6)
+    assert sa["mtp_1_tokens"] + sb["mtp_1_tokens"] < sa["lm_tokens"] + sb["lm_tokens"]
+    assert got["mtp_losses"] == pytest.approx([(2 * sa["mtp_1_sum"] + sb["mtp_1_sum"]) / (2 * sa["mtp_1_tokens"] + sb["mtp_1_tokens"])], rel=1e-6)
+
+
+def test_data_batches_take_the_split_asked_and_whole_documents(docs):
+    from fmoe.train.data import load_blend
+
+    corpus = load_blend(str(docs), vocab_size=258)
+    with pytest.raises(ValueError, match="^--split: expected val, train or all, got 'test'"):
+        evaluate.data_batches(corpus, split="test", val_percent=5, tokens=128, n_batches=2, mtp_depth=1)
+    train, val = corpus.split(20)
+    for split, part in (("train", train), ("val", val)):
+        batches, sources = evaluate.data_batches(corpus, split=split, val_percent=20, tokens=128, n_batches=2, mtp_depth=1)
+        want = part.validation_batches(128, 2, mtp_depth=1)
+        assert [b["input_ids"].tolist() for b in batches] == [b["input_ids"].tolist() for b in want] and sources == corpus.names[:1] * 2, split
+    assert (evaluate.data_batches(corpus, split="train", val_percent=20, tokens=128, n_batches=1, mtp_depth=1)[0][0]["input_ids"].tolist()
+            != val.validation_batches(128, 1, mtp_depth=1)[0]["input_ids"].tolist())
+    # a source of exactly one micro-batch's tokens has that one micro-batch
+    exact = list(evaluate.data_batches(corpus, split="all", val_percent=5, tokens=corpus.n_tokens, n_batches=0, mtp_depth=1)[0])
+    assert len(exact) == 1 and exact[0]["input_ids"].numel() == corpus.n_tokens
+    for n_batches in (0, 2):
+        padded, _ = evaluate.data_batches(corpus, split="all", val_percent=5, tokens=128, n_batches=n_batches, mtp_depth=1,
+                                          whole_documents=True)
+        plain, _ = evaluate.data_batches(corpus, split="all", val_percent=5, tokens=128, n_batches=n_batches, mtp_depth=1)
+        padded, plain = list(padded), list(plain)
+        assert "token_mask" in padded[0].keys() and "token_mask" not in plain[0].keys(), n_batches
+        assert padded[1]["input_ids"].tolist() != plain[1]["input_ids"].tolist(), n_batches
+
+
+def test_read_choices_refuses_each_bad_line_and_skips_blank_ones(tmp_path):
+    byte = lambda text, special=True: list(text.encode())  # noqa: E731
+    ok = dict(context="a", choices=["b", "c"], answer=0)
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(ok) + "\n\n   \n" + json.dumps(dict(context_ids=[1, 2], choices_ids=[[3], [4, 5, 6]], answer=1)) + "\n")
+    got = evaluate.read_choices(path, byte)
+    assert [q["answer"] for q in got] == [0, 1] and got[1]["lengths"] == [1, 3] and got[1]["contexts"] == [[1, 2], [1, 2]]
+    assert evaluate.read_choices(path, byte, limit=1) == got[:1]
+    for row, message in (
+            ("{not json", "q.jsonl:1: not JSON ("),
+            (dict(ok, answer=True), "q.jsonl:1: answer: expected the index of the right choice, 0..1, got True"),
+            (dict(context_ids=[1], choices_ids=[[True], [2]], answer=0), "q.jsonl:1: token ids: expected non-negative ints"),
+            (dict(choices=["b", "c"], context_ids=[1], answer=0), "q.jsonl:1: expected texts (context, choices) or token ids"),
+    ):
+        path.write_text((row if isinstance(row, str) else json.dumps(row)) + "\n")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            evaluate.read_choices(path, byte)
+    path.write_text(json.dumps(dict(context_ids=[1], choices_ids=[[2], [3]], answer=0)) + "\n")
+    with pytest.raises(ValueError, match="q.jsonl:1: --delimiter: goes between texts, and this question gives token ids"):
+        evaluate.read_choices(path, byte, delimiter=" ")
+
+
+def test_choice_logprobs_cut_a_context_only_past_the_micro_batch(run_dir):
+    """A context that fits with its continuation exactly is not cut; a continuation of one
+    token more than the micro-batch is refused, one of as many keeps one context token."""
+    model, _ = evaluate.load_model(run_dir[0])
+    cpu = torch.device("cpu")
+    assert evaluate.choice_logprobs(model, [(list(range(60)), [1, 2, 3, 4, 5])], tokens=64, device=cpu)[1] == 0
+    assert evaluate.choice_logprobs(model, [(list(range(61)), [1, 2, 3, 4, 5])], tokens=64, device=cpu)[1] == 1
+    with pytest.raises(ValueError, match="a continuation of 65 tokens needs more than 64"):
+        evaluate.choice_logprobs(model, [([1, 2], [3] * 65)], tokens=64, device=cpu)
+    got, cut = evaluate.choice_logprobs(model, [([1, 2], [3] * 64)], tokens=64, device=cpu)
+    one = lambda ids: model.logits(ids, torch.tensor([0, len(ids)], dtype=torch.int32))  # noqa: E731
+    with torch.no_grad():
+        assert cut == 1 and got == pytest.approx([_reference_logprob(one, [2], [3] * 64)], rel=1e-5)
