@@ -3912,6 +3912,11 @@ class Family:
         old, new = self.prefix
         return self.outer + (new + key[len(old):] if key.startswith(old) else key)
 
+    def unread(self, mtp_read: bool) -> tuple[str, ...]:
+        """not_read's prefixes, less the MTP module's ("mtp.") where it is read (mtp_read: a
+        model of mtp_depth >= 1 of an mtp_module family)."""
+        return tuple(p for p in self.not_read if not (self.mtp_module and mtp_read and p == "mtp."))
+
     def kwargs(self, hf: dict) -> dict:
         """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
         transformers' own, those it leaves out at transformers' defaults; ValueError naming a
@@ -5403,8 +5408,7 @@ def _not_read(family: Family, cfg: TransformerConfig, path, stored) -> list[str]
         past = cfg.n_layers + (cfg.mtp_depth if family.mtp else 0)
         return (family.mtp or not family.extra_layers_read) and layer is not None and int(layer[1]) >= past
 
-    # an MTP module read (mtp_depth >= 1) is not under not_read: its keys left unread (mtp.norm with mtp_norm=False) count
-    not_read = tuple(p for p in family.not_read if not (family.mtp_module and cfg.mtp_depth and p == "mtp."))
+    not_read = family.unread(cfg.mtp_depth > 0)  # an MTP module's keys that a model reading it leaves unread (mtp.norm) count
     return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)
             and not key.startswith(not_read) and not any(re.search(pattern, key) for pattern in family.ignored)]
 
@@ -6668,7 +6672,7 @@ def _check_writable(model_type: str) -> None:
         what = f"its text model's model_type (one of {', '.join(kinds)})"
     else:
         what = f"model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})"
-    unread = [p for p in family.not_read if not (family.mtp_module and p == "mtp.")]  # an MTP module it reads where the folder holds it
+    unread = family.unread(mtp_read=True)  # an MTP module it reads where the folder holds it
     raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(unread)}), so it is not written; "
                      f"pass {what}, or set model.hf_config = written_config(model.hf_config) to keep the folder's own text config")
 
