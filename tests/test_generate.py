@@ -474,6 +474,15 @@ def test_learned_positions_bound_the_prompt_and_tokens(tmp_path):
             in cli.stderr), cli.stderr[-2000:]
 
 
+def _word_tokenizer(vocab: dict, unk: str):
+    """A tokenizers WordLevel tokenizer of `vocab` over whitespace-split words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -481,10 +490,7 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
 def test_a_prompt_is_encoded_whole_whatever_the_tokenizer_json_says(tmp_path):
     """A tokenizer.json saved with truncation and padding on would cut a long prompt and pad a
     short one; text_codec's encode gives every id of the text, and nothing else."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(10)} | {"[UNK]": 10}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = _word_tokenizer({f"w{i}": i for i in range(10)} | {"[UNK]": 10}, "[UNK]")
     tok.enable_truncation(max_length=3)
     tok.enable_padding(pad_id=9, pad_token="w9", length=6)
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -508,8 +514,6 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     to transformers' generate, which stops at any of generation_config.json's eos ids; the
     reply alone is printed. Refused: --prompt_ids, --system without --chat, a byte run."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]' (Python 3.11 or newer)")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
@@ -519,8 +523,7 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
             p.mul_(8.0)  # sharper logits: no near-ties for greedy to split on
     specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
     vocab = {f"w{i}": i for i in range(57)} | {"user": 57, "assistant": 58, "system": 59, "[UNK]": 60} | {t: 61 + i for i, t in enumerate(specials)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = _word_tokenizer(vocab, "[UNK]")
     tok.add_special_tokens(specials)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML}))
@@ -639,7 +642,7 @@ def test_stop_ids_tokenizers_and_byte_runs_as_their_files_say(tmp_path):
     from before byte_tokens speaks bytes where its --data was a directory; --separator=-1
     (none) leaves a --tokenizer run without a separator; a token-file run's prompt is
     encoded without the tokenizer's post-processing (its BOS), an HF folder's with it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import processors
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
@@ -647,8 +650,7 @@ def test_stop_ids_tokenizers_and_byte_runs_as_their_files_say(tmp_path):
     (tmp_path / "m.json").write_text('{"model": "WordLevel"}')
     assert not generate._is_tokenizer_json(tmp_path / "m.json")
     assert generate._byte_run({"config": {"data": str(tmp_path)}}) and not generate._byte_run({"config": {"data": str(tmp_path / "m.json")}})
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(10)} | {"[UNK]": 10, "[BOS]": 11}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = _word_tokenizer({f"w{i}": i for i in range(10)} | {"[UNK]": 10, "[BOS]": 11}, "[UNK]")
     tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 11)])
     tok.save(str(tmp_path / "tokenizer.json"))
     token_run = {"config": {"separator": -1}, "byte_tokens": False, "tokenizer": str(tmp_path / "tokenizer.json"),
@@ -669,14 +671,11 @@ def test_chat_on_a_token_file_run_stops_at_the_template_s_end_of_turn(run_dir, t
     """--chat on a run on prepared token files: the prompt rendered by the template beside
     the tokenizer its data's index names, and the continuation stops at the template's
     eos_token (the end of a turn) as at the data's separator; the reply alone is printed."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     out, model = run_dir
     free = generate.generate(model, [1, 2], tokens=6)
     end = free[3]  # greedy's second new token: the end of the turn
     assert end not in (1, 2, free[2]) and end < 256, free
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(258) if i != end} | {"<|im_end|>": end}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = _word_tokenizer({f"w{i}": i for i in range(258) if i != end} | {"<|im_end|>": end}, "w0")
     tok.add_special_tokens(["<|im_end|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
