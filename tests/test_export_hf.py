@@ -4,6 +4,7 @@ started from an HF folder (its config and tokenizer files kept, the MTP module l
 another dtype) load in transformers with the run's logits and back into fmoe with its
 weights; two torchrun ranks write one process's files; bad knobs stop with a message."""
 
+import collections
 import dataclasses
 import filecmp
 import json
@@ -138,6 +139,7 @@ def test_a_run_of_fmoe_s_own_exports_in_shards_with_its_mtp_layer(own_run, tmp_p
     assert transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(out)).eos_token_id == 256
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3 and "model.layers.2.eh_proj.weight" in index["weight_map"]
+    assert max(collections.Counter(index["weight_map"].values()).values()) > 1  # 20 kB shards, not 20 B ones: tensors share them
     docs, ids, cu = _docs(model.cfg.vocab_size)
     with torch.no_grad():
         ours = model.logits(ids, cu)
@@ -163,6 +165,8 @@ def test_a_run_on_prepared_token_files_exports_the_tokenizer_their_index_names(o
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "tok" / "words.json"))  # any name: the folder's is tokenizer.json
     (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}\n')
+    (tmp_path / "tok" / "special_tokens_map.json").write_text('{"eos_token": "<|endoftext|>"}\n')
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("w0 w1 w1")
     prepare(tmp_path / "docs", tmp_path / "data.u16", tokenizer=tmp_path / "tok" / "words.json", progress=False)
@@ -176,6 +180,10 @@ def test_a_run_on_prepared_token_files_exports_the_tokenizer_their_index_names(o
     assert "left out" not in printed, printed
     assert (tmp_path / "out" / "tokenizer.json").read_text() == (tmp_path / "tok" / "words.json").read_text()
     assert (tmp_path / "out" / "tokenizer_config.json").read_text() == (tmp_path / "tok" / "tokenizer_config.json").read_text()
+    assert f"names: {tmp_path / 'tok' / 'words.json'}, {tmp_path / 'tok' / 'tokenizer_config.json'}, {tmp_path / 'tok' / 'special_tokens_map.json'}, " \
+        f"{tmp_path / 'tok' / 'chat_template.jinja'}\n" in printed
+    for name in ("special_tokens_map.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_text() == (tmp_path / "tok" / name).read_text(), name
     separator = read_index(tmp_path / "data.u16")["separator"]  # where the data's documents end: the export's eos_token_id
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == separator == stop_ids(tmp_path / "out", {}, None)[0]
     (tmp_path / "tok" / "words.json").unlink()
@@ -313,6 +321,8 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
         ((own_run, tmp_path / "a", "--model_type=mixtral"), "model: its config has no mixtral equivalent: {'score': ('sigmoid', 'softmax')"),
         ((own_run, tmp_path / "a", f"--hf_config={folder}"), "--hf_config: '" + str(folder) + "' is not the run's model; "),
         ((own_run, tmp_path / "a", f"--hf_config={tmp_path}"), "--hf_config: not a Hugging Face folder"),
+        ((own_run, tmp_path / "a", "--model_type=glm4_moe", f"--hf_config={tmp_path}"), "--hf_config: not a Hugging Face folder"),
+        ((own_run, own_run, "--model_type=glm4_moe"), "is inside the run; write the export elsewhere"),
         ((run, tmp_path / "a", "--model_type=mixtral"), "model: its config has no mixtral equivalent"),  # another family, if it fits
         ((own_run, own_run / "hf"), "is inside the run; write the export elsewhere"),
         # given a checkpoint, its run's folder is kept whole too (another checkpoint of it would take the export's files)
@@ -363,6 +373,10 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
     built, notes, source = export_hf.export_config(model.cfg, gone, model_type="glm4_moe")
     assert source is None and built == hf.hf_config(dataclasses.replace(model.cfg, capacity_factor=None), "glm4_moe") | {"eos_token_id": 256}
     assert len(notes) == 1 and notes[0].startswith(f"the run's --init_from_hf folder {str(tmp_path / 'gone')!r} is gone"), notes
+    # a run on token files whose documents end at id 0 (the separator as the run recorded it): eos_token_id 0
+    (tmp_path / "tok.json").write_text('{"model": {}}')
+    zero = dict(run, byte_tokens=False, data_sources=[dict(path=None, tokenizer=str(tmp_path / "tok.json"), separator=0)])
+    assert export_hf.export_config(model.cfg, zero, model_type="glm4_moe")[0]["eos_token_id"] == 0
 
 
 def test_qwen3_next_s_one_mtp_module_is_exported_and_a_second_depth_named(tmp_path):
@@ -379,6 +393,11 @@ def test_qwen3_next_s_one_mtp_module_is_exported_and_a_second_depth_named(tmp_pa
     assert notes == [] and source is None and config["mtp_num_hidden_layers"] == 1
     with pytest.raises(ValueError, match=r"^--model_type: qwen3_next checkpoints hold one MTP module, the run's model has mtp_depth = 2$"):
         export_hf.export_config(dataclasses.replace(cfg, mtp_depth=2, mtp_norm=True), {}, model_type="qwen3_next")
+    # an older folder's torch_dtype: --dtype replaces it (not a second, contradicting field)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "dtype"} | {"torch_dtype": "float32"}))
+    config, _, source = export_hf.export_config(cfg, {}, hf_folder=str(tmp_path), dtype="bfloat16")
+    assert source == tmp_path and config["dtype"] == "bfloat16" and "torch_dtype" not in config
 
 
 def test_a_released_llama4_folder_exports_its_text_model(tmp_path):
@@ -404,8 +423,9 @@ def test_a_released_llama4_folder_exports_its_text_model(tmp_path):
     # a relative --init_from_hf is relative to where the run started (config.json's run.cwd), not to where this runs
     relative = {"config": {"init_from_hf": "hf"}, "run": {"cwd": str(tmp_path)}}
     assert pathlib.Path.cwd() != tmp_path and export_hf.export_config(cfg, relative) == (config, notes, tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"--model_type: 'llama4', but the run's Hugging Face folder .* is 'llama4', written as 'llama4_text'"):
-        export_hf.export_config(cfg, run, model_type="llama4")
+    for other in ("llama4", "mixtral"):
+        with pytest.raises(ValueError, match=rf"--model_type: '{other}', but the run's Hugging Face folder .* is 'llama4', written as 'llama4_text'"):
+            export_hf.export_config(cfg, run, model_type=other)
     model.hf_config = config
     hf.save_pretrained(model, tmp_path / "out")
     docs, ids, cu = _docs(64)
@@ -644,3 +664,94 @@ def test_a_run_of_fmoe_s_own_nemotron_3_exports_as_nemotron_h(tmp_path):
     assert config["layers_block_type"] == ["linear_attention", "moe", "linear_attention", "full_attention", "moe", "mlp"]
     assert (config["mamba_num_heads"], config["mamba_head_dim"], config["moe_latent_size"], config["time_step_min"]) == (4, 10, 12, 0.01)
     _loads_whole_with_the_run_s_logits(tmp_path / "out", model)
+
+
+def test_an_hf_folder_s_run_prints_its_files_and_the_links_left_out(hf_run, tmp_path, capsys):
+    """A run from an HF folder exported with --hf_config (a copy of the folder with a link to a
+    file outside it) into an out folder that holds a folder of its own: the first line counts
+    the files and their size in GB and names the weights' dtype, the link is printed as left
+    out, and the run's data (a bare token file) adds no tokenizer note, nor qwen3_moe's lack of
+    MTP layers a note of where they are."""
+    folder, run = hf_run
+    linked = shutil.copytree(folder, tmp_path / "linked")
+    (tmp_path / "secret.txt").write_text("HF_TOKEN=hf_abc")
+    (linked / "vocab.txt").symlink_to(tmp_path / "secret.txt")
+    out = tmp_path / "out"
+    (out / "earlier").mkdir(parents=True)
+    export_hf.main([str(run), str(out), f"--hf_config={linked}", "--dtype=float16"])
+    files = sorted(f for f in out.iterdir() if f.is_file())
+    assert [f.name for f in files] == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"{out}: qwen3_moe, 4 files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB (weights in float16)",
+        f"copied from {linked}: generation_config.json, tokenizer.json",
+        "left out: the 1 MTP module(s): qwen3_moe checkpoints hold none; not exported",
+        f"left out: vocab.txt: a link to '{tmp_path / 'secret.txt'}', outside '{linked}'; not copied"]
+
+
+def test_an_export_of_two_mtp_modules_names_their_layers(own_run, tmp_path, capsys, monkeypatch):
+    """A run's model with two MTP modules (the run's own, given a second): written as glm4_moe's
+    layers n and n + 1, which the note after the export names as a range."""
+    model, run = load_run(own_run)
+    deeper = hf.Transformer(dataclasses.replace(model.cfg, mtp_depth=2))
+    deeper.reset_parameters(seed=0)
+    monkeypatch.setattr(export_hf, "load_run", lambda path, impl: (deeper, run))
+    export_hf.main([str(own_run), str(tmp_path / "out"), "--model_type=glm4_moe"])
+    n = model.cfg.n_layers
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"note: the MTP modules are layers {n}..{n + 1}, as glm4_moe checkpoints hold them; ")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 2
+
+
+def test_copy_folder_files_leaves_out_weights_subfolders_and_links_but_to_the_hub_s_blobs(tmp_path):
+    """copy_folder_files: the folder's weights in any format (.bin, .pt, .pth, an index) and its
+    subfolders (a release's original/) are not copied; the hub cache's relative links to its
+    blobs are, also where the folder is reached through a link, but not a link to another file
+    of its repository (refs/); a folder outside the hub cache linking out is noted. The copies
+    keep their files' times."""
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"model": {}}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("rev")
+    folder = repo / "snapshots" / "rev"
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").symlink_to("../../blobs/abc123")  # as the hub writes its links
+    (folder / "ref.txt").symlink_to(repo / "refs" / "main")
+    for name in ("config.json", "model.safetensors", "pytorch_model.bin", "consolidated.pth", "weights.pt", "model.safetensors.index.json"):
+        (folder / name).write_text("{}")
+    (folder / "original").mkdir()
+    (folder / "original" / "params.json").write_text("{}")
+    (folder / "LICENSE").write_text("MIT")
+    os.utime(folder / "LICENSE", (1e9, 1e9))
+    (tmp_path / "linked").symlink_to(folder)
+    for source in (folder, tmp_path / "linked"):
+        out = tmp_path / "out" / source.name
+        out.mkdir(parents=True)
+        names, notes = export_hf.copy_folder_files(source, out)
+        assert names == ["LICENSE", "tokenizer.json"] and sorted(f.name for f in out.iterdir()) == names, (source, names)
+        assert notes == [f"ref.txt: a link to '{repo / 'refs' / 'main'}', outside '{source}'; not copied"], notes
+        assert (out / "tokenizer.json").read_text() == '{"model": {}}' and (out / "LICENSE").stat().st_mtime == 1e9
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (tmp_path / "id_rsa").write_text("PRIVATE KEY")
+    (plain / "vocab.txt").symlink_to(tmp_path / "id_rsa")
+    (tmp_path / "plain_out").mkdir()
+    assert export_hf.copy_folder_files(plain, tmp_path / "plain_out") == (
+        [], [f"vocab.txt: a link to '{tmp_path / 'id_rsa'}', outside '{plain}'; not copied"])
+
+
+def test_a_released_kimi_k25_folder_s_run_keeps_its_mtp_module_as_deepseek_v3(tmp_path):
+    """A run from a Kimi K2.5 folder (kimi_k25: no MTP layers of its own) is written as
+    deepseek_v3, whose checkpoints hold them: its MTP module goes with it, not noted as left
+    out."""
+    text = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                         topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=8,
+                                         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, bos_token_id=None, eos_token_id=None,
+                                         pad_token_id=None).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                                                      "text_config": text, "tie_word_embeddings": False}))
+    _, cfg = hf.read_config(tmp_path)
+    config, notes, source = export_hf.export_config(dataclasses.replace(cfg, mtp_depth=1), {"config": {"init_from_hf": str(tmp_path)}})
+    assert config["model_type"] == "deepseek_v3" and source == tmp_path
+    assert notes == ["the kimi_k25 folder's vision_tower., mm_projector. weights: fmoe does not read them; written as deepseek_v3 with the "
+                     "folder's text config"]
