@@ -360,6 +360,15 @@ def _pp_knobs(err: ValueError) -> str:
     return said.replace("(index_shared_layers)", "(--model.index_shared_layers)").replace("(shortcut_moe)", "(--model.shortcut_moe)")
 
 
+def _refuse_inert(model, overrides: dict) -> None:
+    """Exit naming the first --model knob given that has no effect on `model` (e.g. --model.index_heads without
+    --model.index_topk: another model than asked for would train, without a word)."""
+    inert = {name: why for name, why in model.inert_knobs().items() if name in overrides}
+    if inert:
+        name = next(iter(inert))
+        sys.exit(f"--model.{name}={overrides[name]}: {inert[name]}; this model has none, so it would have no effect")
+
+
 def parse_args(argv: list[str]) -> Config:
     """--name=value overrides of Config and --model.name=value of its TransformerConfig; a
     bare --name sets a bool knob; --help prints every knob (knob_help). Unknown names (with
@@ -458,10 +467,7 @@ def parse_args(argv: list[str]) -> Config:
         cfg.model = base if cfg.init_from_hf else dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
-    inert = {name: why for name, why in cfg.model.inert_knobs().items() if name in model_overrides}
-    if inert:  # e.g. --model.index_heads without --model.index_topk trained another model than asked for
-        name = next(iter(inert))
-        sys.exit(f"--model.{name}={model_overrides[name]}: {inert[name]}; this model has none, so it would have no effect")
+    _refuse_inert(cfg.model, model_overrides)  # --init_from_hf's folder model: checked again in main, on top of the folder's
     if model_overrides.get("score") == "softmax" and base.score != "softmax" and "expert_bias" not in model_overrides and base.expert_bias:
         # the default aux-loss-free bias was made for sigmoid routing: with softmax it shifts the
         # probabilities (ERNIE 4.5's routing), a choice to make, not to fall into
@@ -553,6 +559,7 @@ def _run(argv: list[str], cleanups: list) -> None:
                                             | {name: value for name, value in overrides.items() if name in on_top})
         except ValueError as err:
             sys.exit(f"model knobs: {err}")
+        _refuse_inert(cfg.model, overrides)  # e.g. a DeepSeek-V3 folder's --model.index_heads without --model.index_topk
     # ------------------------------------------------------------------------ setup
     if cfg.deterministic:
         if not torch.are_deterministic_algorithms_enabled():

@@ -3453,6 +3453,12 @@ def test_the_loop_warms_up_fresh_indexers_on_a_deepseek_v3_model(tmp_path):
     docs, ids, cu = _packed()
     with torch.no_grad():
         assert _rel(trained.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
+    # an indexer's knob without index_topk: no indexer would be built, so the knob is refused as on a model of the loop's own
+    import train_moe
+
+    with pytest.raises(SystemExit, match=r"^--model.index_heads=4: a knob of a sparse attention's indexer, needs index_topk, index_topk_blocks "
+                                         r"or csa_layers; this model has none, so it would have no effect$"):
+        train_moe.main([f"--out_dir={tmp_path / 'inert'}", f"--init_from_hf={tmp_path / 'hf'}", "--model.index_heads=4"])
 
 
 @pytest.mark.parametrize("family, knobs, logged, floor", [
