@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 import torch
@@ -370,6 +371,108 @@ def test_train_only_regexes_are_compared_by_the_parameters_they_train():
     assert tm._trains(names, "(") == tm._trains(names, 3) == set()
 
 
+def test_knob_values_parse_as_users_spell_them(capsys):
+    """None for an optional knob, a bool in any case and as yes/no, an empty list, inf for --clip, a floor or warmup start
+    at the peak lr, softmax routing with its bias kept by name; -h prints the help as --help does."""
+    tm = _train_moe()
+    hints = typing.get_type_hints(TransformerConfig)
+    assert tm._parse_value("model.capacity_factor", hints["capacity_factor"], "None") is None
+    assert tm._parse_value("model.moe_layers", hints["moe_layers"], "") == ()
+    assert tm._parse_value("model.norm_overrides", hints["norm_overrides"], " ") == ()
+    assert [tm._parse_value("check_finite", bool, v) for v in ("Yes", "no", "TRUE", "0")] == [True, False, True, False]
+    cfg = tm.parse_args(["--clip=inf", "--lr=1e-3", "--min_lr=1e-3", "--init_lr=1e-3"])
+    assert (cfg.clip, cfg.min_lr, cfg.init_lr) == (math.inf, 1e-3, 1e-3)
+    cfg = tm.parse_args(["--model.score=softmax", "--model.expert_bias=true"])
+    assert (cfg.model.score, cfg.model.expert_bias) == ("softmax", True)
+    with pytest.raises(SystemExit) as stop:
+        tm.parse_args(["-h"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("usage: train_moe.py [--knob=value ...]")
+
+
+def test_the_schedule_helpers_resolve_the_knobs_defaults():
+    """The default warmup is a tenth of the run up to 20 steps (--warmup=0: none); lr_at's keywords are factors on --lr,
+    the WSD decay given to the wsd style alone; pipeline errors name the knobs."""
+    tm = _train_moe()
+    assert [tm._warmup_steps(tm.Config(steps=n)) for n in (9, 50, 199, 500)] == [0, 5, 19, 20]
+    assert tm._warmup_steps(tm.Config(steps=500, warmup=0)) == 0 and tm._warmup_steps(tm.Config(warmup=7)) == 7
+    knobs = dict(lr=2e-2, min_lr=-1.0, init_lr=5e-3, steps=100, lr_style="cosine", wsd_style="linear")
+    schedule = tm._lr_schedule(knobs, 10, 18)
+    assert schedule == dict(max_lr=1.0, total=100, warmup=10, min_lr=pytest.approx(0.1), init_lr=pytest.approx(0.25), style="cosine",
+                            wsd_decay=0, wsd_style="linear")
+    assert tm._lr_schedule({**knobs, "lr_style": "wsd", "min_lr": 1e-3}, 10, 18)["wsd_decay"] == 18
+    assert tm._lr_schedule({**knobs, "lr_style": "wsd", "min_lr": 1e-3}, 10, 18)["min_lr"] == pytest.approx(0.05)
+    assert tm._pp_knobs(ValueError("chunk: block 3 attends to the keys block 1 chose (index_shared_layers), in another stage")) == (
+        "block 3 attends to the keys block 1 chose (--model.index_shared_layers), in another stage")
+    assert tm._pp_knobs(ValueError("layers_per_stage: expected 2 positive ints")) == "--pp_layers: expected 2 positive ints"
+
+
+def test_the_resume_notes_name_the_knobs_that_changed_and_no_other(tmp_path):
+    """_schedule_change names a knob changed by hand once (not again as the steps it resolved to), and a WSD decay only
+    for a wsd run; _training_changes leaves out how the model runs (--model.ac) and a config.json without knobs;
+    _upcycle_changes says "none" for a run that was not upcycled."""
+    from fmoe.train.run import write_config
+
+    tm = _train_moe()
+    was = tm.Config(steps=100, warmup=5)
+    write_config(tmp_path / "warm", dataclasses.asdict(was), warmup=5, wsd_decay=0)
+    now = dataclasses.replace(was, warmup=10)
+    note = tm._schedule_change(tmp_path / "warm", 2, now, tm._lr_schedule(vars(now), 10, 0))
+    assert re.fullmatch(r"note: step 3 runs at a learning rate of [\d.e-]+ by this run's schedule, where the run's own gave [\d.e-]+: "
+                        r"--warmup=10 \(was 5\); a resumed run follows the schedule of its knobs", note), note
+    was = tm.Config(steps=100, warmup=0, lr_style="wsd")
+    write_config(tmp_path / "wsd", dataclasses.asdict(was), warmup=0, wsd_decay=20)
+    now = dataclasses.replace(was, lr_style="cosine")
+    note = tm._schedule_change(tmp_path / "wsd", 50, now, tm._lr_schedule(vars(now), 0, 20))
+    assert note.endswith(": --lr_style=cosine (was wsd); a resumed run follows the schedule of its knobs"), note
+    base = tm.Config()
+    write_config(tmp_path / "base", dataclasses.asdict(base))
+    saved = json.loads((tmp_path / "base" / "config.json").read_text())["config"]
+    assert tm._training_changes(saved, dataclasses.replace(base, model=dataclasses.replace(base.model, ac="full", impl="torch"))) == []
+    assert tm._training_changes(None, base) == tm._training_changes("config", base) == []
+    assert tm._upcycle_changes({"upcycle_from": "", "upcycle_drop": 0.0}, tm.Config(upcycle_from="/runs/dense")) == [
+        "--upcycle_from=/runs/dense (was none)"]
+
+
+def test_a_released_model_s_knob_given_as_its_folder_holds_it_is_no_change(tmp_path):
+    """--init_from_hf with an architecture knob at the folder's own value: nothing changes, nothing is refused (the
+    run goes on to the next check, here --device's)."""
+    transformers = pytest.importorskip("transformers", reason="transformers (the test extra) not installed")
+    transformers.Qwen3MoeConfig(vocab_size=260, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=128, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+                                num_experts_per_tok=2).save_pretrained(tmp_path / "hf")
+    tm = _train_moe()
+    with pytest.raises(SystemExit, match="^--device: expected auto, cpu, cuda or cuda:N, got 'tpu'$"):
+        tm.main([f"--out_dir={tmp_path / 'run'}", f"--init_from_hf={tmp_path / 'hf'}", "--model.n_layers=3", "--model.n_experts=4",
+                 "--device=tpu"])
+
+
+def test_the_wsd_decay_default_rounds_up_and_zero_is_none(tmp_path):
+    """--wsd_decay=-1 is a fifth of the steps after the warmup, rounded up (ceil(11 / 5) = 3 of 13 steps); --wsd_decay=0
+    decays over no step, not the default."""
+    tm = _train_moe()
+    run = [*TINY, "--steps=13", "--warmup=2", "--lr_style=wsd", "--stop_at=1", "--eval_batches=0", "--batch_schedule=0:1",
+           "--tokens_per_micro_batch=32"]
+    for given, resolved in (("-1", 3), ("0", 0)):
+        tm.main([f"--out_dir={tmp_path / given}", *run, f"--wsd_decay={given}"])
+        assert json.loads((tmp_path / given / "config.json").read_text())["wsd_decay"] == resolved
+
+
+def test_bf16_on_one_process_computes_through_mixed_precision(tmp_path, monkeypatch):
+    """--dtype=bfloat16 on one process: the model is sharded over a group of one with FSDP2's bf16 compute and float32
+    gradient sums (not a float32 model under a bf16 label)."""
+    tm = _train_moe()
+    real, precisions = tm.parallel.parallelize, []
+
+    def parallelize(model, meshes, **precision):
+        precisions.append(precision)
+        return real(model, meshes, **precision)
+
+    monkeypatch.setattr(tm.parallel, "parallelize", parallelize)
+    tm.main([f"--out_dir={tmp_path}", *TINY, "--steps=1", "--warmup=0", "--eval_batches=0", "--batch_schedule=0:1", "--tokens_per_micro_batch=32",
+             "--dtype=bfloat16"])
+    assert precisions == [dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)]
+
+
 def test_a_run_directory_whose_files_are_links_is_refused(tmp_path):
     """A run directory from elsewhere whose config.json or metrics.jsonl links to another
     file (a shell's rc file): --resume wrote its metrics through the link, emptying that
@@ -462,8 +565,9 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     # a resumed run at its last step says so and exits 0 (a job queued again); a new run refuses the earlier run's
     # out_dir (its checkpoints would mix with the new ones); a resumed run reads the data it read
     config = (parts / "config.json").read_text()
-    done = _train(parts, "--steps=10", "--resume", "--lr=0.5")
+    done = _train(parts, "--steps=10", "--resume", "--lr=0.5", "--min_lr=0.05")
     assert (parts / "config.json").read_text() == config  # it trained nothing: the run's record stays
+    assert "note: step" not in done.stdout  # no step left to run at another learning rate
     assert done.returncode == 0 and f"done: the run in {parts} is at step 10, nothing to train up to step 10 (--steps=10)" in done.stdout, \
         done.stderr[-3000:]
     assert len(_records(parts)) == 10
@@ -608,6 +712,8 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
     assert again.returncode != 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert "--profile: steps 2:3 were run before this resume (from step 4); profile steps after it" in again.stderr
     assert (tmp_path / "metrics.jsonl").read_bytes() == log
+    with pytest.raises(SystemExit, match=r"^--profile: steps 3:4 were run before this resume \(from step 4\)"):  # its last step too
+        _train_moe().main([f"--out_dir={tmp_path}", *TINY, "--steps=6", "--profile=3:4", "--eval_every=3", "--ckpt_every=3", "--resume"])
 
 
 def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path):
@@ -672,7 +778,6 @@ def test_a_resume_whose_schedule_changed_says_so(tmp_path):
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert re.search(r"^note: step 3 runs at a learning rate of [\d.e-]+ by this run's schedule, where the run's own gave [\d.e-]+: "
                      r"--steps=300 \(was 50\), warmup 20 steps \(was 5\); a resumed run", extended.stdout, flags=re.M), extended.stdout
-
 
 
 def test_the_schedule_s_defaults_are_those_its_knobs_name(tmp_path):
@@ -835,6 +940,7 @@ def test_upcycle_knobs_from_a_folder_and_their_refusals(tmp_path):
     with pytest.raises(SystemExit, match=r"^--upcycle_from: alibi: .*not with mtp_depth = 1"):  # the default's MTP: named
         tm.parse_args(moe)
     assert tm.parse_args([*moe, "--model.mtp_depth=0", "--upcycle_drop=0.016"]).upcycle_drop == 0.016  # round(1.02) = 1 channel
+    assert tm.parse_args([*moe, "--model.mtp_depth=0", "--upcycle_drop=0.012"]).upcycle_drop == 0.012  # round(0.77) = 1 channel
     with pytest.raises(SystemExit, match=r"^--upcycle_drop=0.005: draws round\(0.005 x ffn_expert 64\) = 0 of each expert's channels "
                                          r"afresh, so it would have no effect; 0.0156 or more draws one \(0: the exact start\)$"):
         tm.parse_args([*moe, "--model.mtp_depth=0", "--upcycle_drop=0.005"])
@@ -1127,6 +1233,26 @@ BAD_KNOBS = [
                                               "more stages) or leave them out"),
     (["--pp_virtual=2", "--pp_schedule=interleaved_1f1b"], "--pp_schedule=interleaved_1f1b, --pp_virtual=2: shape a pipeline, and --pp=1 "
                                                            "runs none"),
+    # counts below their floor, negative loss weights and a negative drop: refused, not run on as something else
+    (["--stop_at=-1", "--steps=1"], "--stop_at: expected an int >= 0, got -1"),
+    (["--check_replicas_every=-1", "--steps=1"], "--check_replicas_every: expected an int >= 0, got -1"),
+    (["--ckpt_every=2", "--keep_every=-4", "--steps=1"], "--keep_every: expected an int >= 0, got -4"),
+    (["--val_percent=-5", "--steps=1"], "--val_percent: expected an int >= 0, got -5"),
+    (["--aux_coeff=-1", "--steps=1"], "--aux_coeff: expected a number >= 0, got -1.0"),
+    (["--z_coeff=-1e-3", "--steps=1"], "--z_coeff: expected a number >= 0, got -0.001"),
+    (["--lr_style=wsd", "--wsd_decay=-5", "--steps=1"], "--wsd_decay: expected >= 0, or -1 for its default, got -5"),
+    (["--out_dir= ", "--steps=1"], "--out_dir: expected a directory for the run, got ' '"),
+    (["--upcycle_from=/no/such/run", "--init_from_hf=/x"], "--upcycle_from: starts from a dense run's weights; --init_from and "
+                                                           "--init_from_hf start from others: give one"),
+    (["--upcycle_from=/x", "--upcycle_drop=-0.5"], "--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got -0.5"),
+    (["--cp=2", "--tokens_per_micro_batch=130"], "--tokens_per_micro_batch: expected a multiple of 2 x --cp x --tp = 4, got 130"),
+    (["--bias_update=bogus", "--steps=1"], "--bias_update: expected sign or proportional, got 'bogus'"),
+    (["--adamw_state_dtype=float16", "--steps=1"], "--ns_dtype, --adamw_state_dtype: expected bfloat16 or float32, got 'bfloat16', 'float16'"),
+    # knobs that pass their checks, stopped by a later one: a profile of the last step, no stop signals, chunks of 3 tokens
+    (["--steps=3", "--profile=3", "--optimizer=sgd"], "--optimizer: expected adamw or muon, got 'sgd'"),
+    (["--stop_signals=", "--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon, got 'sgd'"),
+    (["--cp=2", "--tokens_per_micro_batch=12", "--model.linear_layers=0"], "parallel knobs (--pp, --dp_replicate, --dp_shard, --cp, --tp, "
+                                                                           "--ep, --etp) for 1 process(es): "),
 ]
 
 
@@ -1161,6 +1287,10 @@ def test_help_lists_every_knob_with_its_type_default_and_comment(knob_exits):
     words = " ".join(got["out"].split())  # a comment's next lines are part of it
     assert "(a scheduler's preemption or limit; the same one again within 5 s is the same request, a later one acts as usual); \"\": none --seed=<int> (default 0)" in words
     assert "\nlosses\n  --mtp_lambda=" in got["out"] and "\nparallelism (under torchrun; fmoe.parallel)" in got["out"]
+    titles = [line for line in got["out"].splitlines()[1:] if line and not line.startswith("  ")]
+    assert titles == ["data", "losses", "optimizer and schedule", "run", "parallelism (under torchrun; fmoe.parallel): world = dp_replicate * "
+                      "dp_shard * cp * tp", "the model: every TransformerConfig field, as --model.<field>=value (e.g. --model.n_groups=4); "
+                      "fmoe.model.TransformerConfig's docstring says what each does"], titles
 
 
 def test_a_refused_run_releases_its_out_dir_without_a_garbage_collection(tmp_path):
