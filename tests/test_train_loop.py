@@ -173,6 +173,15 @@ def test_a_resume_with_another_train_only_names_it(tmp_path):
     with nothing to train keeps the records past its checkpoint (they were cut)."""
     first = _train(tmp_path, "--steps=3", "--stop_at=2", "--ckpt_every=2", "--train_only=blocks[.]1[.]")
     assert first.returncode == 0, first.stderr[-2000:]
+    # the frozen MTP block's routing stays as it was (its expert bias too); the frozen parameters have no gradient, and
+    # zero_grads counts the trained ones' entries
+    from fmoe.train import checkpoint
+
+    model, _ = checkpoint.load_run(tmp_path / "step_000002")
+    biases = {name: moe.expert_bias for name, moe in model.moe_layers().items()}
+    assert list(biases) == ["layer_1", "mtp_1"] and biases["layer_1"].abs().sum() > 0 and torch.equal(biases["mtp_1"], torch.zeros(4))
+    trained = sum(p.numel() for name, p in model.named_parameters() if re.search("blocks[.]1[.]", name))
+    assert all(0 <= r["zero_grads"] <= trained for r in _records(tmp_path)), (trained, _records(tmp_path))
     (tmp_path / "step_000003.tmp").mkdir()
     for extra, here in (([], ""), (["--train_only=blocks"], "blocks")):
         run = _train(tmp_path, "--steps=3", "--resume", *extra)
@@ -185,8 +194,9 @@ def test_a_resume_with_another_train_only_names_it(tmp_path):
     assert run.returncode == 0 and [r["step"] for r in _records(tmp_path)] == [1, 2, 3], run.stderr[-2000:]
     assert not (tmp_path / "step_000003.tmp").exists() and "resumed from" in run.stdout
     shutil.rmtree(tmp_path / "step_000003", ignore_errors=True)  # the newest checkpoint is step 2's again
-    done = _train(tmp_path, "--steps=2", "--warmup=0", "--resume", "--train_only=blocks[.]1[.]", "--clip=0.5")
-    assert done.returncode == 0 and "nothing to train up to step 2" in done.stdout, done.stderr[-2000:]
+    done = _train(tmp_path, "--steps=3", "--stop_at=2", "--resume", "--train_only=blocks[.]1[.]", "--clip=0.5")
+    assert done.returncode == 0 and f"done: the run in {tmp_path} is at step 2, nothing to train up to step 2 (--steps=3, --stop_at=2)" \
+        in done.stdout, done.stderr[-2000:]
     assert "note: this resumed run trains with" not in done.stdout  # it trains nothing
     assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
 
@@ -515,6 +525,8 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     # zero (embedding rows of bytes the step did not hold), no energy off CUDA (the reason in config.json)
     assert 0 < first["param_norm"] != last["param_norm"] and 0 < first["zero_grads"] < 100_000
     assert "energy_j" not in last and last["tokens_by_source"] == {"stdlib": 256}
+    assert last["aux_loss"] == 0.0 < last["seq_aux_loss"]  # --aux_coeff=0: off, logged as 0; the default seq_aux_coeff's is on
+    assert "stop_requests" not in last  # the loop's own sum of the ranks' stop requests is not a metric
     assert last["val_loss_by_source"] == {"stdlib": pytest.approx(last["val_loss"], rel=1e-6)}  # one source: the mean itself
     assert "val_loss_by_source" not in records[10] and "; by source" not in run.stdout
     assert "lasts the whole run" not in run.stdout  # a warmup of 3 in 30 steps
@@ -549,7 +561,8 @@ def test_thirty_steps_lower_the_loss(tmp_path):
 
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert _train(whole, "--steps=10", "--ckpt_every=100", "--deterministic").returncode == 0
+    assert _train(whole, "--steps=10", "--ckpt_every=2", "--keep_every=4", "--deterministic").returncode == 0
+    assert sorted(p.name for p in whole.glob("step_*")) == ["step_000004", "step_000008", "step_000010"]  # the last 2, and every 4th
     first = _train(parts, "--steps=10", "--stop_at=6", "--ckpt_every=4", "--deterministic")
     assert first.returncode == 0, first.stderr[-3000:]
     (parts / "step_000007.tmp").mkdir()  # a save the stop interrupted: removed by the resumed run
@@ -750,6 +763,11 @@ def test_a_run_of_a_trillion_steps_plans_its_tokens_at_once(tmp_path):
     # the steps follow the schedule by the tokens seen (not by the step's number)
     records = _records(tmp_path)
     assert [(r["batch_size"], r["tokens"]) for r in records] == [(2, 256), (2, 512), (2, 768), (2, 1024), (3, 1408)]
+    # resumed past 1K: the start counts the steps of 3 micro-batches it runs, and the tokens left to read
+    run = subprocess.run([*(a for a in run.args if a != "--stop_at=5"), "--resume", "--stop_at=6"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "384 tokens per step now" in run.stdout and f"note: the rest of the run reads {(10**12 - 5) * 384:,} tokens" in run.stdout, run.stdout
+    assert [(r["batch_size"], r["tokens"]) for r in _records(tmp_path)][4:] == [(3, 1408), (3, 1792)]
 
 
 def test_a_resume_whose_schedule_changed_says_so(tmp_path):
@@ -761,6 +779,7 @@ def test_a_resume_whose_schedule_changed_says_so(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     # a run --stop_at ends before --steps is stopped, not done (--resume continues it), as a signal or time stop
     assert re.search(r"^stopped: step 2, loss \d+\.\d{4} \(no validation", first.stdout, flags=re.M) and "done:" not in first.stdout, first.stdout
+    assert [r["eta_seconds"] > 0 for r in _records(out)] == [True, False]  # the time left to --stop_at, not to --steps
     same = _train(out, "--steps=4", "--eval_batches=0", "--warmup=1", "--stop_at=3", "--resume")
     assert same.returncode == 0 and "resumed from" in same.stdout and "note: step" not in same.stdout, same.stdout
     assert re.search(r"^stopped: step 3, ", same.stdout, flags=re.M), same.stdout
@@ -838,9 +857,13 @@ def test_the_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continue
     assert re.search(r"^stopped: step 1, loss [0-9.]+ \(no validation at this step: every --eval_every=3\)$", first.stdout.splitlines()[-1]), first.stdout
     assert "done:" not in first.stdout and "val_loss" not in _records(parts)[0]
     assert [r["step"] for r in _records(parts)] == [1] and sorted(p.name for p in parts.glob("step_*")) == ["step_000001"]
+    from fmoe.train import checkpoint
+
+    weights = torch.cat([p.detach().flatten() for p in checkpoint.load_run(parts / "step_000001")[0].parameters()]).norm().item()
     second = _train(parts, "--steps=4", "--deterministic", "--eval_every=3", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert re.search(r"^done: step 4, validation loss ", second.stdout, flags=re.M), second.stdout
+    assert _records(parts)[1]["param_norm"] == pytest.approx(weights, rel=1e-6)  # step 2's: the weights it computed with, before its update
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
 
@@ -859,6 +882,10 @@ def test_a_step_s_speed_leaves_its_validation_out(tmp_path):
     # forward and backward): had it counted the validation, it would be longer whatever the machine's load. (A comparison
     # with the other steps' speed failed 2 runs in 10 on a loaded machine: single steps of 15-350 ms.)
     assert statistics.median(r["eval_seconds"] * r["tokens_per_s"] / 128 for r in evals) > 1.0, records
+    # and the other way: a step of 16 micro-batches beside a validation of one, whose time leaves the step's out
+    run = _train(tmp_path / "long_step", "--steps=2", "--warmup=0", "--eval_every=1", "--eval_batches=1", "--batch_schedule=0:16")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert min(r["eval_seconds"] * r["tokens_per_s"] / (16 * 128) for r in _records(tmp_path / "long_step")) < 1.0
 
 
 def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):
@@ -1357,6 +1384,8 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from fmoe.train.data import load_blend
+
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
     sources = {"code": sorted((stdlib / "json").glob("*.py")), "docs": [stdlib / n for n in ("textwrap.py", "string.py", "shlex.py", "glob.py")]}
     texts = [p.read_text(encoding="utf-8") for files in sources.values() for p in files]
@@ -1390,6 +1419,10 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     by_source = records[-1]["val_loss_by_source"]
     assert list(by_source) == ["code", "docs"] and by_source["code"] != by_source["docs"]
     assert min(by_source.values()) < records[-1]["val_loss"] < max(by_source.values())
+    val, counted = load_blend(str(tmp_path / "blend.json")).split(20)[1], {}
+    for batch, source in zip(val.validation_batches(128, 4, mtp_depth=1), val.validation_sources(4)):
+        counted[source] = counted.get(source, 0) + int(batch["loss_mask"].sum())
+    assert records[-1]["val_loss"] == pytest.approx(sum(by_source[n] * c for n, c in counted.items()) / sum(counted.values()), rel=1e-5)
     assert f"by source: code {by_source['code']:.4f}, docs {by_source['docs']:.4f}" in run.stdout
     assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout  # BPE tokens, not bytes
     config = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -1541,3 +1574,29 @@ def test_a_blend_of_bytes_and_token_ids_suggests_no_knob(tmp_path):
     got = exits(ROOT / "examples" / "train_moe.py", [[f"--out_dir={tmp_path / 'out'}", *TINY, f"--data=0.5:{tokens},0.5:{tmp_path / 'text'}"]])[0]
     assert got["status"] != 0 and "holds byte tokens (vocab_size 258)" in got["text"], got["text"]
     assert "on this command line" not in got["text"], got["text"]
+
+
+def test_the_flops_leave_out_the_zero_experts_slots(tmp_path):
+    """--model.zero_experts: a token's slots on a zero expert compute nothing; the step's FLOPs count the routed
+    experts at the slots the n_experts real ones took (each MoE layer's first n_experts counts), and the start says
+    the active parameters per token are at most its count."""
+    from fmoe.train import checkpoint, metrics
+    from fmoe.train.data import BlendSampler, load_blend
+
+    data, rng = tmp_path / "docs", random.Random(1)
+    data.mkdir()
+    for i in range(16):
+        (data / f"d{i:02d}.txt").write_text("".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 110))))
+    run = _train(tmp_path / "run", f"--data={data}", "--steps=1", "--warmup=0", "--eval_batches=0", "--model.zero_experts=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^model: [\d.]+M parameters, at most [\d.]+M active per token \(1 MoE layer and 1 in the MTP module, each of 4 "
+                     r"experts and 2 zero experts, top-2\)$", run.stdout, flags=re.M), run.stdout
+    (record,) = _records(tmp_path / "run")
+    cfg, config = checkpoint.run_config(tmp_path / "run")
+    sampler = BlendSampler(load_blend(str(data)), 128, seed=config["config"]["seed"], mtp_depth=cfg.mtp_depth)
+    batches = [sampler.next_batch() for _ in range(2)]
+    keys = sum(metrics.mean_attended_keys(batch["cu_seqlens"]) for batch in batches) / 2
+    rows = record["tokens_per_expert"]
+    assert [len(row) for row in rows] == [6, 6] and sum(sum(row[4:]) for row in rows) > 0
+    slots = sum(sum(row[:4]) for row in rows) / len(rows) / 256
+    assert record["flops_per_token"] == pytest.approx(metrics.model_flops_per_token(cfg, n_avg_keys=keys, k=slots), rel=1e-12)
