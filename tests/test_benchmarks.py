@@ -52,6 +52,7 @@ def test_benchmark_smoke(script, tmp_path):
             T, H, n = int(r["T"]), int(r["H"]), int(r["streams"])
             want = 4 * T * (3 * H if r["impl"] == "one stream" else (2 if r["pass"] == "fwd" else 5) * (n * H + H))
             assert int(r["bytes"]) == want, r
+    _smoke_rows_hold(script, rows, out.stdout)
 
 
 def test_help_says_what_each_benchmark_does_in_whole_sentences():
@@ -514,7 +515,6 @@ def test_bench_moe_layer_strong_baseline_is_sync_free_and_combines_in_the_activa
     assert y.dtype == torch.bfloat16 and big == [], big
 
 
-
 @pytest.mark.parametrize("shared", [0, 1, 2])
 def test_bench_moe_layer_titan_baseline_matches_the_loop_and_gathers(monkeypatch, shared):
     """titan_moe (torchtitan's pattern: torch.gather dispatch, float32 weighting, scatter_add onto
@@ -585,6 +585,213 @@ def test_bench_decode_counts_the_routed_experts_and_the_rows_a_position_sees():
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - model.embed.numel() + B * chunked.hidden
     assert none == size * (dense + B * (1 + 1 + 1 + 9) * row)
     assert bd.floor_bytes(model, cache, B, used) - none == size * sum(used) * per_expert
+
+
+def _smoke_rows_hold(script: str, rows: list[dict], stdout: str) -> None:
+    """The numbers each --smoke CSV row derives, worked by hand for the smoke shapes (float32
+    on CPU unless said): the bytes of each floor, the FLOPs behind TFLOP/s, the ratios, and the
+    fractions against the copy bandwidth and matmul rate written on the same row."""
+    num = lambda r, c: float(r[c])  # noqa: E731
+    if script == "bench_routing.py":  # T = 8; fwd: logits + bias + T k (4 + 8); bwd: the k chosen logits, experts, dweights, dlogits
+        want = {"dsv3 T=8": (9984, 9216), "qwen3 T=8": (4864, 5120), "kolibri T=8": (14400, 13056), "dsv4 T=8": (9792, 8960)}
+        assert {r["case"] for r in rows} == set(want) and len(rows) == 4 * 2 * 3
+        for r in rows:
+            fwd, bwd = want[r["case"]]
+            assert int(r["bytes"]) == (fwd if r["pass"] == "fwd" else fwd + bwd), r
+            assert num(r, "floor_ms") == pytest.approx(int(r["bytes"]) / (num(r, "copy_GBps") * 1e9) * 1e3), r
+            if r["impl"] == "fused":
+                assert num(r, "floor_fraction") == pytest.approx(num(r, "floor_ms") / num(r, "ms")), r
+            else:
+                assert r["floor_fraction"] == "", r
+        assert {(r["case"].split()[0], int(r["E"]), int(r["k"])) for r in rows} == {("dsv3", 256, 8), ("qwen3", 128, 8), ("kolibri", 384, 6),
+                                                                                    ("dsv4", 256, 6)}
+    if script == "bench_rope.py":  # T = 48, D = 32: x and the result 2 T H D x 4, cos and sin 2 T D/2 x 4; fwd+bwd twice
+        pass_bytes = {"q": 12288 * 4 + 6144, "k": 12288 * 2 + 6144, "q interleaved": 12288 * 4 + 6144}
+        assert len(rows) == 3 * 3 * 3
+        for r in rows:
+            assert int(r["bytes"]) == (2 if r["pass"] == "fwd+bwd" else 1) * pass_bytes[r["case"]], r
+            assert r["interleaved"] == str(r["case"] == "q interleaved"), r
+            assert num(r, "floor_fraction") == pytest.approx(int(r["bytes"]) / (num(r, "copy_GBps") * 1e9) * 1e3 / num(r, "ms")), r
+    if script == "bench_loss.py":  # N = 16, V = 1000, H = 32, bf16: ce reads the logits and writes their gradient, 2 x 2 N V
+        base = {r["case"]: num(r, "ms") for r in rows if r["impl"] in ("eager", "unfused")}
+        assert set(base) == {"ce N=16 V=1000", "ce softcap=30 N=16 V=1000", "linear N=16 H=32 V=1000"}
+        for r in rows:
+            assert num(r, "speedup") == pytest.approx(base[r["case"]] / num(r, "ms")), r
+            if r["case"].startswith("ce"):
+                assert int(r["bytes"]) == 64000 and r["TFLOP/s"] == "", r
+                assert num(r, "floor_fraction") == pytest.approx(64000 / (num(r, "copy_GBps") * 1e9) * 1e3 / num(r, "ms")), r
+            else:  # 6 N H V
+                assert num(r, "TFLOP/s") * num(r, "ms") * 1e9 == pytest.approx(6 * 16 * 32 * 1000) and r["bytes"] == "", r
+    if script == "bench_optim.py":  # n = 64 48 + 4 32 24 + 33 + 2 17 5 = 6347, the matrices 6314; bytes per parameter:
+        n = 6347  # params 4 + 4, grads 4, two moments read and written; a clip one more gradient read
+        want = {"fmoe fp32": (28, 8), "fmoe bf16": (20, 4), "torch foreach": (28, 8), "fmoe bf16 + clip factor": (24, 4),
+                "fmoe bf16 + fmoe clip": (24, 4), "torch fused + clip": (32, 8)}
+        by = {r["impl"]: r for r in rows}
+        assert set(by) == {*want, "muon (matrices)", "torch muon (matrices)"} or set(by) == {*want, "muon (matrices)"}
+        for impl, (per_param, state) in want.items():
+            r = by[impl]
+            assert int(r["bytes"]) == per_param * n and int(r["params"]) == n and num(r, "state_GiB") * 2**30 == state * n, r
+            assert r["baseline"] == ("torch fused + clip" if "clip" in impl else "torch foreach"), r
+        for impl in ("muon (matrices)", "torch muon (matrices)"):
+            if impl in by:
+                assert int(by[impl]["params"]) == 6314 and num(by[impl], "state_GiB") * 2**30 == 4 * 6314 and by[impl]["bytes"] == "", by[impl]
+    if script == "bench_moe_layer.py":  # T = 32, H = 32, E = 8, F = 16 (float32)
+        flops = {"A (smoke)": 212992, "deepseek (smoke)": 507904, "nemotron3 (smoke)": 344064}
+        timed = [r for r in rows if r.get("pass")]
+        fmoe_ms = {(r["shape"], r["pass"]): num(r, "ms") for r in timed if r["impl"] == "fmoe"}
+        for r in timed:
+            factor = 3 if r["pass"] == "fwd+bwd" else 1
+            assert num(r, "TFLOP/s") * num(r, "ms") * 1e9 == pytest.approx(factor * flops[r["shape"]]), r
+            assert num(r, "matmul_fraction") == pytest.approx(num(r, "TFLOP/s") / num(r, "matmul_TFLOPs")), r
+            want = "" if r["impl"] == "fmoe" else pytest.approx(num(r, "ms") / fmoe_ms[(r["shape"], r["pass"])])
+            assert (r["fmoe_speedup"] if r["impl"] == "fmoe" else num(r, "fmoe_speedup")) == want, r
+        for shape, pass_name in fmoe_ms:  # the printed goal line names the faster grouped_mm baseline
+            ms = {r["impl"]: num(r, "ms") for r in timed if (r["shape"], r["pass"]) == (shape, pass_name)}
+            faster = min(("strong", "titan"), key=ms.get)
+            assert f"{shape} {pass_name}: fmoe's speedup over the faster grouped_mm baseline ({faster}): " in stdout, (shape, pass_name)
+        # x read once and T k rows written, 128 bytes a row: k = 2 then 3; the activations 8 (or 5, no gate) T k F elements
+        perm = {"A (smoke)": 4096 + 8192, "deepseek (smoke)": 4096 + 12288, "nemotron3 (smoke)": 4096 + 12288}
+        act = {"A (smoke)": 8 * 64 * 16 * 4, "deepseek (smoke)": 8 * 96 * 16 * 4, "nemotron3 (smoke)": 5 * 96 * 16 * 4}
+        ops = [r for r in rows if r.get("op")]
+        for r in ops:
+            if r["op"] == "permute: its plan alone":
+                assert r["GB/s"] == r["copy_fraction"] == "", r
+                continue
+            nbytes = 2 * perm[r["shape"]] if r["op"] == "permute + unpermute" else perm[r["shape"]] if "permute" in r["op"] else act[r["shape"]]
+            assert num(r, "GB/s") * num(r, "ms") * 1e6 == pytest.approx(nbytes), r
+            assert num(r, "copy_fraction") == pytest.approx(nbytes / (num(r, "copy_GBps") * 1e9) * 1e3 / num(r, "ms")), r
+            if r["op"].endswith(" fwd+bwd fused"):
+                assert r["fused_speedup"] == "", r
+            if r["op"].endswith(" fwd+bwd torch") and r["shape"] != "nemotron3 (smoke)":
+                fused = next(o for o in ops if o["shape"] == r["shape"] and o["op"] == r["op"].replace(" torch", " fused"))
+                assert num(r, "fused_speedup") == pytest.approx(num(r, "ms") / num(fused, "ms")), r
+        assert sorted(r["op"] for r in ops if r["shape"] == "nemotron3 (smoke)" and "fwd+bwd" in r["op"]) == ["relu2 fwd+bwd torch"]
+    if script == "bench_train_step.py":  # 32 tokens in two documents of 16: (16^2 + 16^2) / (2 x 32) = 8 keys a query
+        _common()
+        import bench_train_step as bts
+        from fmoe.train import metrics
+
+        flops = metrics.model_flops_per_token(bts.SMOKE, n_avg_keys=8.0)
+        assert {r["impl"] for r in rows} == {"fmoe compiled", "fmoe eager", "reference ops"}
+        for r in rows:
+            assert int(r["tokens"]) == 32 and num(r, "flops_per_token") == pytest.approx(flops), r
+            assert num(r, "tokens/s") == pytest.approx(32 / (num(r, "ms") * 1e-3)), r
+            assert num(r, "TFLOP/s") == pytest.approx(flops * 32 / (num(r, "ms") * 1e-3) / 1e12), r
+            assert num(r, "MFU") == pytest.approx(num(r, "TFLOP/s") / num(r, "matmul_TFLOPs")) and r["MFU_datasheet"] == "", r
+
+
+def test_the_benchmarks_real_cases_are_the_ones_their_docstrings_list():
+    """The GPU shapes, which --smoke never builds: routing's E, k and options per model, rope's
+    heads, the MoE layer's shapes and their FLOPs (2 T (k + n_shared) m H F + 2 T H E), the
+    train step's 16384 tokens in documents of 16 to T / 4 tokens."""
+    _common()
+    import bench_moe_layer as bml
+    import bench_rope
+    import bench_routing
+    import bench_train_step as bts
+
+    cases = {c.name: c for c in bench_routing.make_cases(False, torch.device("cpu"))}
+    got = {n: (c.T, c.E, c.k, {k: v for k, v in c.options.items() if k != "expert_bias"}, None if "expert_bias" not in c.options else
+               tuple(c.options["expert_bias"].shape)) for n, c in cases.items() if n.endswith("T=16384")}
+    assert got == {
+        "dsv3 T=16384": (16384, 256, 8, dict(score="sigmoid", n_groups=8, topk_groups=4, scale=2.5), (256,)),
+        "qwen3 T=16384": (16384, 128, 8, dict(score="softmax", pre_softmax=False), None),
+        "kolibri T=16384": (16384, 384, 6, dict(score="sigmoid", normalize=False, bias_on_logits=True), (384,)),
+        "dsv4 T=16384": (16384, 256, 6, dict(score="sqrtsoftplus", scale=1.5), (256,)),
+    }
+    assert [(c.name, c.T, c.H, c.D, c.interleaved) for c in bench_rope.make_cases(False)] == [
+        ("q", 16384, 32, 128, False), ("k", 16384, 8, 128, False), ("q interleaved", 16384, 32, 128, True)]
+    assert bench_rope.DOC_LEN == 4096
+
+    shapes = bml.make_shapes(False)
+    assert [(s.name, s.T, s.H, s.E, s.k, s.F, s.n_shared, s.gated) for s in shapes] == [
+        ("A", 16384, 2048, 128, 8, 768, 0, True), ("deepseek", 16384, 2048, 64, 6, 1408, 2, True),
+        ("nemotron3", 16384, 2688, 128, 6, 1856, 2, False)]
+    assert [s.flops_fwd() for s in shapes] == [2 * 16384 * 8 * 3 * 2048 * 768 + 2 * 16384 * 2048 * 128,
+                                               2 * 16384 * 8 * 3 * 2048 * 1408 + 2 * 16384 * 2048 * 64,
+                                               2 * 16384 * 8 * 2 * 2688 * 1856 + 2 * 16384 * 2688 * 128]
+    p = bml.make_params(bml.make_shapes(True)[1], torch.float32, torch.device("cpu"))
+    assert {n: tuple(t.shape) for n, t in p.items() if n.startswith("shared")} == {
+        "shared_w_gate": (32, 32), "shared_w_up": (32, 32), "shared_w_down": (32, 32)}  # 2 shared experts of F = 16
+
+    fields = lambda c: (c.vocab_size, c.hidden, c.n_layers, c.n_dense, c.ffn_dense, c.n_experts, c.k, c.ffn_expert, c.n_shared, c.n_heads,  # noqa: E731
+                        c.n_kv_heads, c.head_dim, c.mtp_depth)
+    assert fields(bts.LARGE) == (32768, 2048, 8, 1, 8192, 64, 6, 1024, 2, 16, 4, 128, 1)
+    assert fields(bts.SMALL) == (32768, 1024, 12, 1, 4096, 64, 4, 512, 1, 16, 4, 64, 1)
+    batch = bts.make_batch(bts.SMOKE, 100, torch.device("cpu"))
+    lengths = batch["cu_seqlens"].diff().tolist()
+    assert batch["cu_seqlens"][0] == 0 and sum(lengths) == 100 and all(16 <= n < 25 for n in lengths[:-1]) and 0 < lengths[-1] < 25
+
+
+def test_bench_optim_times_the_2_6b_parameters_its_docstring_counts():
+    """make_params' GPU set (4 layers of attention, a dense MLP, 3 expert stacks and 2 norms),
+    built on the meta device: 2,617,262,080 parameters; Muon's matrices all but the norms."""
+    _common()
+    import bench_optim
+
+    real_randn = torch.randn
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "randn", lambda *s, device=None, **kw: real_randn(*s, device="meta", **kw))
+        params = bench_optim.make_params(False, torch.device("meta"))
+    assert sum(p.numel() for p in params) == 2_617_262_080 and len(params) == 44
+    assert sum(p.numel() for p in params if p.ndim >= 2) == 2_617_262_080 - 4 * 2 * 2048
+
+
+def test_bench_optim_s_clipped_rows_run_the_clip_they_name(monkeypatch):
+    """IMPLS' clipped rows: "+ clip factor" hands the step clip_factor(grad_norm, 1.0), "+ fmoe
+    clip" runs fmoe.optim.clip_grad_norm and "torch fused + clip" torch's clip_grad_norm_, each
+    before a plain step; the unclipped rows step alone."""
+    _common()
+    import bench_optim
+
+    calls = []
+    monkeypatch.setattr(bench_optim, "grad_norm", lambda ps: calls.append("grad_norm") or 4.0)
+    monkeypatch.setattr(bench_optim, "clip_factor", lambda norm, max_norm: calls.append(("clip_factor", norm, max_norm)) or 0.25)
+    monkeypatch.setattr(bench_optim, "clip_grad_norm", lambda ps, max_norm: calls.append(("fmoe clip", max_norm)))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda ps, max_norm: calls.append(("torch clip", max_norm)))
+
+    class Opt:
+        def step(self, grad_factor=None):
+            calls.append(("step", grad_factor))
+
+    want = {"fmoe fp32": [("step", None)], "fmoe bf16": [("step", None)], "torch fused": [("step", None)],
+            "torch foreach": [("step", None)], "fmoe bf16 + clip factor": ["grad_norm", ("clip_factor", 4.0, 1.0), ("step", 0.25)],
+            "fmoe bf16 + fmoe clip": [("fmoe clip", 1.0), ("step", None)], "torch fused + clip": [("torch clip", 1.0), ("step", None)]}
+    assert list(bench_optim.IMPLS) == list(want)
+    for name, (_, clip) in bench_optim.IMPLS.items():
+        calls.clear()
+        bench_optim.stepper(Opt(), [], clip)()
+        assert calls == want[name], name
+
+
+def test_bench_optim_stops_on_a_step_a_hundredth_off_torch_s(monkeypatch):
+    """check_adamw stops the run when fmoe's update differs from torch's by more than 1e-3
+    (relative norm): an AdamW at lr 1.01e-3 against torch's 1e-3 is 0.01 off."""
+    _common()
+    import bench_optim
+    from fmoe.optim.adamw import AdamW
+
+    torch.manual_seed(0)
+    params = bench_optim.make_params(True, torch.device("cpu"))
+    monkeypatch.setitem(bench_optim.IMPLS, "fmoe fp32", (lambda ps, dev: AdamW(ps, lr=1.01e-3, impl="torch"), None))
+    with pytest.raises(SystemExit, match=r"fmoe fp32: its step differs from torch's AdamW by (0\.00999|0\.01) \(relative norm of the update\)"):
+        bench_optim.check_adamw(params, torch.device("cpu"))
+
+
+def test_bench_loss_measure_divides_the_baseline_s_time_and_each_peak_by_the_baseline_s(monkeypatch):
+    """measure's speedup is the baseline's ms over the row's (fused 2 ms, eager 8 ms: 4x) and its
+    ratio the row's peak over the baseline's (100 MiB against 400: 0.25, the quarter the fused
+    linear cross-entropy aims at)."""
+    _common()
+    import bench_loss
+
+    seen, ms, peaks = [], {"fused": 2.0, "eager": 8.0}, {"fused": 100.0, "eager": 400.0}
+    monkeypatch.setattr(bench_loss, "bench", lambda fn, device, **kw: ms[kw["label"].removeprefix("c-")])
+    monkeypatch.setattr(bench_loss, "peak_mib", lambda fn, device: (fn(), peaks[seen[-1]])[1])
+    impls = {name: (lambda name=name: seen.append(name)) for name in ms}
+    rows = bench_loss.measure("c", impls, lambda name: (), "eager", torch.device("cpu"), lambda row: {"floor_ms": row["ms"] / 2})
+    assert rows == [{"case": "c", "impl": "fused", "ms": 2.0, "peak_MiB": 100.0, "speedup": 4.0, "ratio": 0.25, "floor_ms": 1.0},
+                    {"case": "c", "impl": "eager", "ms": 8.0, "peak_MiB": 400.0, "speedup": 1.0, "ratio": 1.0, "floor_ms": 4.0}]
 
 
 def _lease_parts() -> dict[str, str]:
