@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,21 +152,21 @@ def test_bench_plans_at_least_five_timed_calls_of_any_length():
         assert common.cuda_plan(ms) == (1, 5), ms
     for ms in (250.0, 474.0, 5000.0):
         assert common.cuda_plan(ms) == (0, 5), ms
+    assert common.cuda_plan(0.0) == (250000, 1000000)  # an estimate of 0 ms counts as 1e-4 ms
     for ms in (1e-3, 0.3, 7.0, 19.9, 20.0, 60.0, 300.0, 1e5):
         warmup, timed = common.cuda_plan(ms)
         assert timed >= 5 and (warmup + timed) * ms <= common.WARMUP_MS + common.REP_MS + 6 * ms, (ms, warmup, timed)
 
 
-@pytest.mark.parametrize("call_ms, calls_made", [(30.0, 7), (8.0, 13)])
+@pytest.mark.parametrize("call_ms, calls_made", [(30.0, 7), (8.0, 13), (0.7, 28)])
 def test_bench_cuda_path_takes_the_median_of_five_timed_calls(monkeypatch, call_ms, calls_made):
     """bench()'s CUDA path, run on the host with events and perf_counter reading a clock that
     each call moves on by its time (SLOW_MS 20 ms, do_bench's 25 / 100 ms scaled to 5 / 10 ms):
     a 30 ms call (slow) is called 1 + 1 + 5 times, an 8 ms one 1 + 1 + 5 (estimate) + 1
-    (warm-up) + 5; both times are the median of 5 samples, one of them made slow on purpose
+    (warm-up) + 5, a 0.7 ms one 1 + 1 + 5 + int(5 / 0.7) + int(10 / 0.7) (the estimate is the
+    5 calls' time over 5); each time is the median of the timed calls (5, 5, 14), one made slow on purpose
     (a median, not the one sample do_bench took). The clock is the test's: timed sleeps made
     the counts and the median depend on the machine's load (a late wake-up: 7 calls, 15.9 ms)."""
-    from types import SimpleNamespace
-
     common, calls, clock = _common(), [], [0.0]
 
     class HostEvent:  # torch.cuda.Event on the host: record() reads the clock
@@ -897,3 +898,319 @@ def test_a_benchmark_refuses_an_out_it_cannot_write_before_timing(tmp_path):
                           capture_output=True, text=True, env=_script_env(), timeout=120)
     assert done.returncode == 2 and f"--out: expected a directory for the CSV, got {str(tmp_path / 'taken')!r}" in done.stderr
     assert "device:" not in done.stdout  # before the device, the bandwidth and any timing
+
+
+def test_bench_cpu_path_takes_the_median_after_its_warm_up_calls(monkeypatch):
+    """--smoke's bench(): cpu_warmup untimed calls, then the median (not the mean or the
+    fastest) of cpu_repeats calls timed by perf_counter, in ms."""
+    common, clock, calls = _common(), [0.0], []
+    costs = [9.0, 1.0, 2.0, 30.0, 3.0, 4.0]  # ms, the untimed call first
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def fn():
+        clock[0] += costs[len(calls)] / 1e3
+        calls.append(1)
+
+    ms = common.bench(fn, torch.device("cpu"), cpu_warmup=1, cpu_repeats=5)
+    assert len(calls) == 6 and ms == pytest.approx(3.0), (len(calls), ms)
+
+
+def _fake_cuda(monkeypatch, common, clock, queries=None, sleeps=None):
+    """torch.cuda's events, synchronize and _sleep on the host: an event records the clock,
+    after_sleep.query() answers from `queries`, each sleep's cycles go to `sleeps`."""
+
+    class HostEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+        def query(self):
+            return queries.pop(0)
+
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(common.torch.cuda, "Event", HostEvent)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(common.torch.cuda, "_sleep", lambda cycles: sleeps.append(cycles))
+    monkeypatch.setattr(common, "_FLUSH", torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setattr(common, "_SLEEP_CYCLES_PER_MS", 1000.0)
+    return SimpleNamespace(type="cuda")
+
+
+def test_device_ms_sleeps_ahead_of_the_calls_and_retries_with_4x_the_sleep_and_half_the_calls(monkeypatch):
+    """device_ms on the host with a clock the calls move on: the host's 2 ms per call (3 probe
+    calls) makes a sleep of 1.5 x 2 x 8 + 1 = 25 ms ahead of 8 calls; the device caught up
+    (query() True), so 100 ms ahead of 4 calls (0.5 ms each): their median, not one over the
+    first try's events too. With calls=2 the probe is 2 calls (1 ms each: 1.5 x 1 x 2 + 1 = 4
+    ms). Caught up in every try: HostBehind, saying the last try's calls and sleep."""
+    common, clock, calls, sleeps = _common(), [0.0], [], []
+    queries = [True, False]
+    device = _fake_cuda(monkeypatch, common, clock, queries, sleeps)
+
+    def fn():
+        calls.append(1)
+        clock[0] += (2.0 if len(calls) <= 1 + 3 + 8 else 0.5) / 1e3
+
+    assert common.device_ms(fn, device, calls=8) == pytest.approx(0.5)
+    assert len(calls) == 1 + 3 + 8 + 4 and sleeps == pytest.approx([25000, 100000], abs=2) and queries == [], (len(calls), sleeps)
+
+    calls.clear(), sleeps.clear()
+    queries[:] = [False]
+
+    def one_ms():
+        calls.append(1)
+        clock[0] += 1e-3
+
+    assert common.device_ms(one_ms, device, calls=2) == pytest.approx(1.0)
+    assert len(calls) == 1 + 2 + 2 and sleeps == pytest.approx([4000], abs=2), (len(calls), sleeps)
+
+    sleeps.clear()
+    queries[:] = [True, True, True]
+    with pytest.raises(common.HostBehind, match=r"in 3 tries \(the last: 2 calls behind 400 ms, the host's estimate 2 ms per call\)"):
+        common.device_ms(lambda: clock.__setitem__(0, clock[0] + 2e-3), device, calls=8)
+    assert sleeps == pytest.approx([25000, 100000, 400000], abs=2) and queries == []
+
+
+def test_device_columns_divide_the_bytes_floor_by_device_ms(monkeypatch, capsys):
+    """device_floor_fraction = nbytes at the copy bandwidth (ms) over device_ms: 1 MB at 1 GB/s
+    is 1 ms, over 2 ms: 0.5; no nbytes, no fraction; HostBehind: both empty, the reason printed."""
+    common = _common()
+    assert common.floor_fraction(3 * 10**6, 1e9, 2.0) == pytest.approx(1.5)
+    monkeypatch.setattr(common, "device_ms", lambda fn, device: 2.0)
+    assert common.device_columns(None, None, 1e9, 10**6) == {"device_ms": 2.0, "device_floor_fraction": pytest.approx(0.5)}
+    assert common.device_columns(None, None, 1e9) == {"device_ms": 2.0, "device_floor_fraction": None}
+
+    def behind(fn, device):
+        raise common.HostBehind("the device caught up")
+
+    monkeypatch.setattr(common, "device_ms", behind)
+    assert common.device_columns(None, None, 1e9, 10**6) == {"device_ms": None, "device_floor_fraction": None}
+    assert capsys.readouterr().out == "device_ms left empty: the device caught up\n"
+
+
+def test_timing_row_gives_the_fused_row_its_speedups_over_the_baselines():
+    """speedup_vs_<base> = the baseline's ms over fused's (3.0: fused 3x faster), on the fused
+    row only; a baseline not timed leaves it empty."""
+    common = _common()
+    ms = {"fused": 2.0, "eager": 6.0}
+    assert common.timing_row("c", "fwd", ms, "fused") == {"case": "c", "pass": "fwd", "impl": "fused", "ms": 2.0,
+                                                          "speedup_vs_eager": 3.0, "speedup_vs_compiled": None}
+    assert common.timing_row("c", "fwd", ms, "eager") == {"case": "c", "pass": "fwd", "impl": "eager", "ms": 6.0,
+                                                          "speedup_vs_eager": None, "speedup_vs_compiled": None}
+
+
+def test_copy_bandwidth_and_matmul_rate_count_both_sides_of_the_work(monkeypatch):
+    """copy_bandwidth counts a copy's read and write (2 x its bytes per time), matmul_rate an
+    n^3 matmul's 2 n^3 FLOPs; cuda_peak_bytes is the peak above what was held before."""
+    common = _common()
+    monkeypatch.setattr(common, "bench", lambda fn, device: (fn(), 0.5)[1])
+    assert common.copy_bandwidth(torch.device("cpu"), 1 << 20) == pytest.approx(2 * (1 << 20) / 0.5e-3)
+    assert common.matmul_rate(torch.device("cpu"), torch.float32, 4) == pytest.approx(2 * 64 / 0.5e-3)
+    for name, value in (("synchronize", None), ("reset_peak_memory_stats", None), ("memory_allocated", 100), ("max_memory_allocated", 350)):
+        monkeypatch.setattr(common.torch.cuda, name, lambda *a, value=value: value)
+    assert common.cuda_peak_bytes(lambda: None, SimpleNamespace(type="cuda")) == 250
+
+
+def test_check_agree_takes_the_worst_tensor_and_the_dtype_s_tolerance(capsys):
+    """The largest rel_err (against the second name's tensors) over output and gradients:
+    0.02 / 2.02 = 0.0099 passes in bf16 (2e-2), fails in float32 (1e-4)."""
+    common = _common()
+    got = {"a": (torch.ones(4), torch.ones(4)), "b": (torch.ones(4), torch.full((4,), 1.01))}
+    common.check_agree("c", got, ("a", "b"), torch.bfloat16, " grads")
+    assert capsys.readouterr().out == "c: checked (a vs b grads, relative error 0.0099); timing\n"
+    with pytest.raises(SystemExit) as exc:
+        common.check_agree("c", got, ("a", "b"), torch.float32)
+    assert exc.value.code == "c: a and b disagree (relative error 0.0099)"
+
+
+def test_print_table_aligns_numbers_right_at_four_digits_and_the_csv_keeps_the_columns_order(capsys, tmp_path):
+    common = _common()
+    rows = [{"impl": "fused", "ms": 1.23456, "n": 7, "x": None}, {"impl": "eager-long", "ms": 12.0, "n": 10, "x": 0.5, "b": "y"}]
+    common.print_table(rows, ["impl", "ms", "n", "x"])
+    assert capsys.readouterr().out.splitlines() == [
+        "impl           ms   n    x",
+        "----------  -----  --  ---",
+        "fused       1.235   7",
+        "eager-long     12  10  0.5",
+    ]
+    common.write_csv(tmp_path / "sub" / "t.csv", rows)
+    assert (tmp_path / "sub" / "t.csv").read_text().splitlines() == ["impl,ms,n,x,b", "fused,1.23456,7,,", "eager-long,12.0,10,0.5,y"]
+
+
+def test_start_and_finish_record_the_dtype_the_copy_size_and_the_bandwidth_in_gb_per_s(monkeypatch, tmp_path, capsys):
+    """start(): --smoke is float32 and a 64 MiB copy, a GPU run bf16 and 1 GiB; finish():
+    every row gets the device and copy_GBps (bytes/s over 1e9) and the extra columns, and
+    every table is printed; run_rate_cases' rows get matmul_TFLOPs (the rate over 1e12)."""
+    common, sizes = _common(), []
+    monkeypatch.setattr(common, "copy_bandwidth", lambda device, nbytes: (sizes.append(nbytes), 5e10)[1])
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--smoke", "--out", str(tmp_path)])
+    args, device, dtype, bandwidth = common.start("A benchmark.")
+    assert (device.type, dtype, bandwidth, sizes) == ("cpu", torch.float32, 5e10, [64 << 20])
+    assert "copy bandwidth: 50.0 GB/s (copy of 64 MiB, read + write)" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--out", str(tmp_path)])
+    monkeypatch.setattr(common, "bench_device", lambda smoke: torch.device("cpu"))
+    assert common.start("A benchmark.")[2] == torch.bfloat16 and sizes[-1] == 1 << 30
+    assert "copy bandwidth: 50.0 GB/s (copy of 1024 MiB, read + write)" in capsys.readouterr().out
+
+    first, second = [{"case": "a", "ms": 1.5}], [{"case": "b", "extra": 3}]
+    common.finish(SimpleNamespace(out=str(tmp_path)), torch.device("cpu"), 5e10, "bench_x", [(first, ["case", "ms"]), (second, ["extra"])], k=1)
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote {tmp_path / 'bench_x.csv'}\n\ncase   ms\n") and out.rstrip().endswith("extra\n-----\n    3"), out
+    assert (tmp_path / "bench_x.csv").read_text().splitlines() == ["case,ms,device,copy_GBps,k,extra", "a,1.5,cpu (smoke),50.0,1,",
+                                                                  "b,,cpu (smoke),50.0,1,3"]
+    monkeypatch.setattr(common, "start", lambda doc: (SimpleNamespace(smoke=True, out=str(tmp_path)), torch.device("cpu"), torch.float32, 5e10))
+    monkeypatch.setattr(common, "matmul_rate", lambda device, dtype, n: (sizes.append(n), 2.5e12)[1])
+    common.run_rate_cases("doc", "bench_r", lambda smoke: ["c"], lambda case, device, dtype, rate: [{"case": case, "rate": rate}], ["case"])
+    assert sizes[-1] == 256 and "float32 matmul rate: 2.5 TFLOP/s (measured now)" in capsys.readouterr().out
+    assert (tmp_path / "bench_r.csv").read_text().splitlines()[1] == "c,2500000000000.0,cpu (smoke),50.0,2.5"
+
+
+def test_profile_call_names_each_label_s_traces_and_bench_profiles_only_labelled_timings(monkeypatch, tmp_path, capsys):
+    """With --profile: a label's first trace is <benchmark>-<label>.json, a second _2; bench()
+    without a label (the bandwidth and rate probes) profiles nothing; time_and_peak hands its
+    label to bench() and gives (None, None) on out of memory, saying so."""
+    common = _common()
+    monkeypatch.setattr(sys, "argv", ["bench_x.py"])
+    monkeypatch.setattr(common, "_PROFILE", {"dir": tmp_path, "labels": {}})
+    common.bench(lambda: torch.ones(2) + 1, torch.device("cpu"), 0, 1)
+    assert list(tmp_path.iterdir()) == []
+    traces = [common.profile_call(lambda: torch.ones(2) + 1, torch.device("cpu"), "q fwd/fused") for _ in range(2)]
+    assert [t.name for t in traces] == ["bench_x-q_fwd_fused.json", "bench_x-q_fwd_fused_2.json"]
+    table = (tmp_path / "bench_x.txt").read_text()
+    assert table.startswith("== q fwd/fused (bench_x-q_fwd_fused.json)\n") and "== q fwd/fused (bench_x-q_fwd_fused_2.json)\n" in table
+    labels = []
+
+    def fake_bench(fn, device, label=None):
+        labels.append(label)
+        if label == "big":
+            raise torch.OutOfMemoryError("out")
+        return 1.5
+
+    monkeypatch.setattr(common, "bench", fake_bench)
+    assert common.time_and_peak(lambda: None, torch.device("cpu"), "x") == (1.5, None) and labels == ["x"]
+    capsys.readouterr()
+    assert common.time_and_peak(lambda: None, torch.device("cpu"), "big") == (None, None)
+    assert capsys.readouterr().out == "big: out of memory\n"
+
+
+def _run_all_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all_module", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    return run_all
+
+
+def test_run_all_main_records_each_part_and_counts_a_timeout_as_a_failure(monkeypatch, tmp_path):
+    """main() with run_part stood in for: the smoke note in the header, the children's
+    environment without TRITON_INTERPRET and with this checkout first on PYTHONPATH, a week's
+    --timeout accepted, a timed-out part's section and the summary naming it; the gpu tests'
+    output cut to its last 60 lines; the part count with --gpu-tests."""
+    run_all, seen = _run_all_module(), []
+
+    def run_part(cmd, timeout, env):
+        seen.append((cmd, timeout, env))
+        out = "\n".join(f"line {i}" for i in range(70)) if "pytest" in cmd else "table"
+        return {"status": None if "bench_loss" in cmd[1] else 0, "seconds": 1.5, "stdout": out + "\n", "stderr": " \n"}
+
+    monkeypatch.setattr(run_all, "run_part", run_part)
+    monkeypatch.setattr(run_all, "environment", lambda smoke: dict(date="D", device="cpu (smoke)", torch="T", triton="TR", cuda="none", commit="C"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    results, out = tmp_path / "R.md", tmp_path / "csv"
+    assert run_all.main(["--smoke", "--only", "bench_rope,bench_loss", "--timeout", "604800", "--results", str(results), "--out", str(out)]) == 1
+    text = results.read_text()
+    assert text.startswith("## D: cpu (smoke)\n\ntorch T, triton TR, CUDA none, commit C; `")
+    assert "`\n\nSMOKE RUN: CPU, tiny shapes; the times are NOT performance numbers.\n\n### bench_rope\n\n" in text
+    assert f"benchmarks/bench_rope.py --out {out} --smoke`: exit 0, 1.5 s\n\n```text\ntable\n```\n\n" in text
+    assert f"benchmarks/bench_loss.py --out {out} --smoke`: timed out after 604800 s, 1.5 s\n\n```text\ntable\n```\n\n" in text
+    assert text.endswith("Did not exit 0: bench_loss.\n\n")
+    assert [t for _, t, _ in seen] == [604800.0, 604800.0]
+    assert all("TRITON_INTERPRET" not in env and env["PYTHONPATH"] == f"{run_all.ROOT}{os.pathsep}/elsewhere" for _, _, env in seen)
+    results.unlink()
+    assert run_all.main(["--gpu-tests", "--only", "bench_rope", "--results", str(results), "--out", str(out)]) == 0
+    text = results.read_text()
+    assert "SMOKE RUN" not in text and text.endswith("All 2 parts exited 0.\n\n")
+    assert "```text\n[... the first 10 lines left out]\nline 10\nline 11\n" in text and "\nline 9\n" not in text
+
+
+def test_run_all_sections_keep_a_timed_out_part_s_output_and_cut_only_beyond_the_tail():
+    """run_part on a timeout: status None and what the part printed before it (stdout and
+    stderr); section's tail note only when there are more lines than the tail."""
+    run_all = _run_all_module()
+    script = "import sys, time; print('before', flush=True); print('oops', file=sys.stderr, flush=True); time.sleep(60)"
+    result = run_all.run_part([sys.executable, "-c", script], 3.0, dict(os.environ))
+    assert result["status"] is None and result["stdout"] == "before\n" and result["stderr"] == "oops\n", result
+    three = {"status": 0, "seconds": 0.0, "stdout": "a\nb\nc\n", "stderr": ""}
+    assert run_all.section("t", ["x"], three, 1.0, tail=3).endswith("```text\na\nb\nc\n```\n\n")
+    assert run_all.section("t", ["x"], three, 1.0, tail=2).endswith("```text\n[... the first 1 lines left out]\nb\nc\n```\n\n")
+    assert run_all.section("t", ["x"], dict(three, stderr="e\n"), 1.0).endswith("```text\na\nb\nc\n--- stderr ---\ne\n```\n\n")
+
+
+def test_run_all_environment_names_no_cuda_and_uncommitted_changes(monkeypatch):
+    """torch.version.cuda None (a CPU build): "none"; a dirty checkout: the commit "with
+    uncommitted changes"; nvidia-smi's GPUs joined by "; ", none: said so."""
+    run_all = _run_all_module()
+    answers = {"nvidia-smi": "", sys.executable: "None", "rev-parse": "abc123", "status": " M x.py"}
+    monkeypatch.setattr(run_all, "_command_output", lambda cmd: answers[cmd[1] if cmd[0] == "git" else cmd[0]])
+    info = run_all.environment(False)
+    assert (info["cuda"], info["commit"], info["device"]) == ("none", "abc123 with uncommitted changes", "no GPU found by nvidia-smi")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", info["date"]), info["date"]
+    answers.update({"nvidia-smi": "H100, 550\nH100, 550", sys.executable: "12.8", "status": ""})
+    info = run_all.environment(False)
+    assert (info["cuda"], info["commit"], info["device"]) == ("12.8", "abc123", "H100, 550; H100, 550")
+    assert run_all.environment(True)["device"] == "cpu (smoke)"
+
+
+def _kernel_stats():
+    _common()  # benchmarks/ on the path
+    import kernel_stats
+
+    return kernel_stats
+
+
+def test_kernel_stats_reads_registers_spills_and_instruction_counts(monkeypatch):
+    """compile_stats with triton.compile, ptxas and cuobjdump stood in for: registers and spill
+    stores from ptxas -v (-1 and 0 when absent), SASS counted by opcode before its first dot
+    (SHFL.BFLY and SHFL.IDX are shuffles, LDS.U.128 a shared load); _aligned marks pointers
+    and i32 scalars divisible by 16, not floats or constexprs."""
+    ks = _kernel_stats()
+    sass = "\n".join(f"        /*{i:04x}*/                   {op} ;" for i, op in
+                     enumerate(["MOV R1, c[0x0][0x28]", "SHFL.BFLY PT, R3, R2, 0x10, 0x1f", "LDS.U.128 R4, [R0]", "SHFL.IDX PT, R5", "EXIT"]))
+    info = ["ptxas info    : Used 40 registers, 8 bytes spill stores, 4 bytes spill loads"]
+
+    def run(cmd, **kwargs):
+        return SimpleNamespace(stderr=info[0], stdout=sass if "cuobjdump" in str(cmd[0]) else "")
+
+    monkeypatch.setattr(ks, "ASTSource", lambda **kwargs: kwargs)
+    monkeypatch.setattr(ks.triton, "compile", lambda src, target, options: SimpleNamespace(asm={"ptx": "ptx", "cubin": b"cubin"}))
+    monkeypatch.setattr(ks.subprocess, "run", run)
+    kernel = SimpleNamespace(arg_names=["x_ptr", "T", "scale", "BLOCK"])
+    ptrs, scalars = {"x_ptr": "*bf16"}, {"T": "i32", "scale": "fp32"}
+    assert ks.compile_stats(kernel, ptrs, scalars, {"BLOCK": 4}, 4) == dict(regs=40, spill=8, sass=5, shfl=2, lds=1)
+    info[0] = ""
+    assert ks.compile_stats(kernel, ptrs, scalars, {"BLOCK": 4}, 4) == dict(regs=-1, spill=0, sass=5, shfl=2, lds=1)
+    assert ks._aligned(kernel, ptrs, scalars) == {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+
+
+def test_kernel_stats_prints_the_warp_instructions_per_row_of_a_program(monkeypatch, capsys):
+    """A row per kernel: warps, rows per program (BLOCK_T, else BLOCK_R, else BLOCK_S), the
+    stats, and SASS x warps / rows ("-" without rows); refused under TRITON_INTERPRET=1."""
+    ks = _kernel_stats()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ks, "cases", lambda: iter([("a b", None, {}, {}, {"BLOCK_T": 4, "BLOCK_S": 64, "num_warps": 2}),
+                                                   ("c", None, {}, {}, {"num_warps": 4})]))
+    monkeypatch.setattr(ks, "compile_stats", lambda kernel, ptrs, scalars, const, num_warps: dict(regs=40, spill=0, sass=100, shfl=3, lds=2))
+    with pytest.raises(SystemExit, match="unset TRITON_INTERPRET"):
+        ks.main([])
+    assert capsys.readouterr().out == ""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    ks.main([])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["kernel", "warps", "rows/prog", "regs", "spill", "B", "SASS", "SHFL", "LDS", "warp-instr/row"]
+    assert [line.split() for line in lines[1:]] == [["a_b", "2", "4", "40", "0", "100", "3", "2", "50"], ["c", "4", "-", "40", "0", "100", "3", "2", "-"]]
