@@ -336,6 +336,8 @@ def check_agree(case: str, got: dict, names: tuple[str, str], dtype: torch.dtype
     """Exit unless got[a] and got[b] (tuples of tensors: an output and its gradients) agree
     within 1e-4 in float32, 2e-2 in bf16 (the largest rel_err); print the check otherwise."""
     a, b = names
+    if len(got[a]) != len(got[b]):  # zip would check the shorter one's tensors alone, without a word
+        sys.exit(f"{case}: {a} gave {len(got[a])} tensors and {b} {len(got[b])}; nothing to compare them by")
     worst = max(rel_err(x, y) for x, y in zip(got[a], got[b]))
     if worst > (1e-4 if dtype == torch.float32 else 2e-2):
         sys.exit(f"{case}: {a} and {b} disagree (relative error {worst:.3g})")

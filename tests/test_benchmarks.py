@@ -1025,6 +1025,10 @@ def test_check_agree_takes_the_worst_tensor_and_the_dtype_s_tolerance(capsys):
     with pytest.raises(SystemExit) as exc:
         common.check_agree("c", got, ("a", "b"), torch.float32)
     assert exc.value.code == "c: a and b disagree (relative error 0.0099)"
+    got["b"] = got["b"][:1]  # an output without its gradient: not compared on the output alone
+    with pytest.raises(SystemExit) as exc:
+        common.check_agree("c", got, ("a", "b"), torch.bfloat16)
+    assert exc.value.code == "c: a gave 2 tensors and b 1; nothing to compare them by"
 
 
 def test_print_table_aligns_numbers_right_at_four_digits_and_the_csv_keeps_the_columns_order(capsys, tmp_path):
