@@ -158,6 +158,33 @@ def test_bench_plans_at_least_five_timed_calls_of_any_length():
         assert timed >= 5 and (warmup + timed) * ms <= common.WARMUP_MS + common.REP_MS + 6 * ms, (ms, warmup, timed)
 
 
+def _fake_cuda(monkeypatch, common, clock, queries=None, sleeps=None):
+    """torch.cuda's events, synchronize and _sleep on the host (a device of type "cuda" to hand
+    to bench and device_ms): an event records the clock, after_sleep.query() answers from
+    `queries`, each sleep's cycles go to `sleeps`."""
+
+    class HostEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+        def query(self):
+            return queries.pop(0)
+
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(common.torch.cuda, "Event", HostEvent)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(common.torch.cuda, "_sleep", lambda cycles: sleeps.append(cycles))
+    monkeypatch.setattr(common, "_FLUSH", torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setattr(common, "_SLEEP_CYCLES_PER_MS", 1000.0)
+    return SimpleNamespace(type="cuda")
+
+
 @pytest.mark.parametrize("call_ms, calls_made", [(30.0, 7), (8.0, 13), (0.7, 28)])
 def test_bench_cuda_path_takes_the_median_of_five_timed_calls(monkeypatch, call_ms, calls_made):
     """bench()'s CUDA path, run on the host with events and perf_counter reading a clock that
@@ -168,30 +195,17 @@ def test_bench_cuda_path_takes_the_median_of_five_timed_calls(monkeypatch, call_
     (a median, not the one sample do_bench took). The clock is the test's: timed sleeps made
     the counts and the median depend on the machine's load (a late wake-up: 7 calls, 15.9 ms)."""
     common, calls, clock = _common(), [], [0.0]
-
-    class HostEvent:  # torch.cuda.Event on the host: record() reads the clock
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self):
-            self.t = clock[0]
-
-        def elapsed_time(self, end):
-            return (end.t - self.t) * 1e3
-
+    device = _fake_cuda(monkeypatch, common, clock)
     monkeypatch.setattr(common, "SLOW_MS", 20.0)
     monkeypatch.setattr(common, "WARMUP_MS", 5.0)
     monkeypatch.setattr(common, "REP_MS", 10.0)
-    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(common.torch.cuda, "Event", HostEvent)
-    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(common, "_l2_flush", lambda device: torch.zeros(4, dtype=torch.int32))
 
     def fn():
         calls.append(1)
         clock[0] += call_ms * (4 if len(calls) == calls_made - 2 else 1) / 1e3  # one timed call 4x slower
 
-    ms = common.bench(fn, SimpleNamespace(type="cuda"))
+    ms = common.bench(fn, device)
     assert len(calls) == calls_made and ms == pytest.approx(call_ms), (len(calls), ms)
 
 
@@ -913,32 +927,6 @@ def test_bench_cpu_path_takes_the_median_after_its_warm_up_calls(monkeypatch):
 
     ms = common.bench(fn, torch.device("cpu"), cpu_warmup=1, cpu_repeats=5)
     assert len(calls) == 6 and ms == pytest.approx(3.0), (len(calls), ms)
-
-
-def _fake_cuda(monkeypatch, common, clock, queries=None, sleeps=None):
-    """torch.cuda's events, synchronize and _sleep on the host: an event records the clock,
-    after_sleep.query() answers from `queries`, each sleep's cycles go to `sleeps`."""
-
-    class HostEvent:
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self):
-            self.t = clock[0]
-
-        def elapsed_time(self, end):
-            return (end.t - self.t) * 1e3
-
-        def query(self):
-            return queries.pop(0)
-
-    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(common.torch.cuda, "Event", HostEvent)
-    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(common.torch.cuda, "_sleep", lambda cycles: sleeps.append(cycles))
-    monkeypatch.setattr(common, "_FLUSH", torch.zeros(4, dtype=torch.int32))
-    monkeypatch.setattr(common, "_SLEEP_CYCLES_PER_MS", 1000.0)
-    return SimpleNamespace(type="cuda")
 
 
 def test_device_ms_sleeps_ahead_of_the_calls_and_retries_with_4x_the_sleep_and_half_the_calls(monkeypatch):
