@@ -467,7 +467,7 @@ def parse_args(argv: list[str]) -> Config:
         cfg.model = base if cfg.init_from_hf else dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
-    _refuse_inert(cfg.model, model_overrides)  # --init_from_hf's folder model: checked again in main, on top of the folder's
+    _refuse_inert(cfg.model, model_overrides)  # --init_from_hf's: checked again in _run, on the folder's model
     if model_overrides.get("score") == "softmax" and base.score != "softmax" and "expert_bias" not in model_overrides and base.expert_bias:
         # the default aux-loss-free bias was made for sigmoid routing: with softmax it shifts the
         # probabilities (ERNIE 4.5's routing), a choice to make, not to fall into
