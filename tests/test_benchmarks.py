@@ -2,6 +2,7 @@
 _common.device_ms times the device alone."""
 
 import csv
+import importlib.util
 import json
 import os
 import pathlib
@@ -207,6 +208,14 @@ def test_bench_cuda_path_takes_the_median_of_five_timed_calls(monkeypatch, call_
 
     ms = common.bench(fn, device)
     assert len(calls) == calls_made and ms == pytest.approx(call_ms), (len(calls), ms)
+
+
+def _run_all_module():
+    """benchmarks/run_all.py as a module, to call its functions in this process."""
+    spec = importlib.util.spec_from_file_location("run_all_module", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    return run_all
 
 
 def _run_all(tmp_path, *flags):
@@ -892,11 +901,7 @@ def test_run_all_s_smoke_results_stay_out_of_the_record():
     """run_all.py --smoke without --results appended its CPU section to the tracked
     benchmarks/RESULTS.md (the record of GPU runs); it goes to bench_out/RESULTS-smoke.md,
     which git ignores."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_all_module", ROOT / "benchmarks" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_all)
+    run_all = _run_all_module()
     assert run_all.default_results(False) == ROOT / "benchmarks" / "RESULTS.md"
     smoke = run_all.default_results(True)
     assert smoke == ROOT / "bench_out" / "RESULTS-smoke.md"
@@ -1087,15 +1092,6 @@ def test_profile_call_names_each_label_s_traces_and_bench_profiles_only_labelled
     capsys.readouterr()
     assert common.time_and_peak(lambda: None, torch.device("cpu"), "big") == (None, None)
     assert capsys.readouterr().out == "big: out of memory\n"
-
-
-def _run_all_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_all_module", ROOT / "benchmarks" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_all)
-    return run_all
 
 
 def test_run_all_main_records_each_part_and_counts_a_timeout_as_a_failure(monkeypatch, tmp_path):

@@ -409,8 +409,8 @@ def test_the_schedule_helpers_resolve_the_knobs_defaults():
     schedule = tm._lr_schedule(knobs, 10, 18)
     assert schedule == dict(max_lr=1.0, total=100, warmup=10, min_lr=pytest.approx(0.1), init_lr=pytest.approx(0.25), style="cosine",
                             wsd_decay=0, wsd_style="linear")
-    assert tm._lr_schedule({**knobs, "lr_style": "wsd", "min_lr": 1e-3}, 10, 18)["wsd_decay"] == 18
-    assert tm._lr_schedule({**knobs, "lr_style": "wsd", "min_lr": 1e-3}, 10, 18)["min_lr"] == pytest.approx(0.05)
+    wsd = tm._lr_schedule({**knobs, "lr_style": "wsd", "min_lr": 1e-3}, 10, 18)
+    assert wsd["wsd_decay"] == 18 and wsd["min_lr"] == pytest.approx(0.05)
     assert tm._pp_knobs(ValueError("chunk: block 3 attends to the keys block 1 chose (index_shared_layers), in another stage")) == (
         "block 3 attends to the keys block 1 chose (--model.index_shared_layers), in another stage")
     assert tm._pp_knobs(ValueError("layers_per_stage: expected 2 positive ints")) == "--pp_layers: expected 2 positive ints"
